@@ -82,6 +82,11 @@ def test_matched_initial_state_passes(server, spec, fixed_batch, tmp_path):
         assert any("LR probe 3/3" in m for m in lines) and lines[-1].startswith("[preflight] restoration passed")
         assert result.lr_scaling.available and result.lr_scaling.passed
         hashes = {e["initialization"]["adapter_sha256"] for e in result.provenance["arms"].values()}
+        e = result.provenance["arms"]["dppo_seed0"]  # the entry's shape, as the brief asks
+        assert list(e) == ["initialization", "restore_count", "optimizer_checks", "initial_output"]
+        init = e["initialization"]
+        assert init["checkpoint_scope"] == "full_initialization" and init["source"] == "server_response"
+        assert init["before_first_update"] is True and e["initial_output"]["before_first_update"] is True
         assert len(hashes) == 1 and None not in hashes
         assert verify_bundle(bundle.dir) == []
         # The arms were never updated by the probes: their outputs still hash as at step 0.

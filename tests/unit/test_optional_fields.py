@@ -23,7 +23,7 @@ from dppo_harness.local_server.faults import (
 )
 from dppo_harness.stages import restoration
 from dppo_harness.stages import restoration as checkpoint
-from dppo_harness.stages.restoration import check_provenance, initialization_entry
+from dppo_harness.stages.restoration import check_provenance
 from dppo_harness.train.optimizer_checks import optimizer_check
 
 USER = types.RequestErrorCategory.User
@@ -149,7 +149,7 @@ def test_the_setup_checkpoint_records_what_the_duplicate_save_showed(duplicate, 
         assert rec.responses[kept[0]]["checkpoint_immutable"] is want and rec.responses[kept[0]]["error"]
 
 
-def _entry(**kw) -> dict:
+def _entry(**init) -> dict:
     check = optimizer_check(
         after_restore=0,
         requested_optimizer="adam",
@@ -160,38 +160,26 @@ def _entry(**kw) -> dict:
         echo_ref=None,
         echo_observed_on=None,
     )
-    args = dict(
-        base_checkpoint="Qwen/Qwen3.5-2B",
-        checkpoint_uri="tinker://a/weights/i",
-        checkpoint_immutable=True,
-        loaded_checkpoint_uri="tinker://a/weights/i",
-        load_succeeded=True,
-        evidence_ref="r",
-        restore_count=1,
-        optimizer_checks=[check, dict(check, after_restore=1)],
-        initial_output={
-            "available": True,
-            "batch_sha256": "b",
-            "output_sha256": "o",
-            "evidence_ref": "f",
-            "before_first_update": True,
-        },
-    )
-    args.update(kw)
-    return initialization_entry(**args)
+    uri = "tinker://a/weights/i"
+    initialization = {"checkpoint_uri": uri, "checkpoint_immutable": True, "loaded_checkpoint_uri": uri, **init}
+    return {
+        "initialization": initialization,
+        "restore_count": 1,
+        "optimizer_checks": [check, dict(check, after_restore=1)],
+    }
 
 
 def test_unverified_immutability_fails_the_proof_with_one_line_naming_the_field():
     reason = "the duplicate save_state ended in TimeoutError: no answer, not an explicit refusal to overwrite"
-    prov = {"arms": {"a": _entry(checkpoint_immutable=None, checkpoint_immutable_reason=reason)}}
-    failures = check_provenance(prov, ["a"])
+    arms = {"a": _entry(checkpoint_immutable=None, checkpoint_immutable_reason=reason)}
+    failures = check_provenance(arms)
     assert failures == [f"a: checkpoint_immutable unverified: {reason}"]
-    assert prov["arms"]["a"]["initialization"]["checkpoint_immutable"] is None
-    assert check_provenance({"arms": {"a": _entry()}}, ["a"]) == []
+    assert arms["a"]["initialization"]["checkpoint_immutable"] is None
+    assert check_provenance({"a": _entry()}) == []
 
 
 def test_a_missing_load_path_fails_the_proof_naming_it():
-    failures = check_provenance({"arms": {"a": _entry(loaded_checkpoint_uri=None)}}, ["a"])
+    failures = check_provenance({"a": _entry(loaded_checkpoint_uri=None)})
     assert failures == ["a: no loaded checkpoint URI in the server's load response"]
 
 

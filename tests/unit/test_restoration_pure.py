@@ -18,7 +18,6 @@ from dppo_harness.stages.restoration import (
     LrScalingUnavailable,
     attach_lr_scaling,
     check_provenance,
-    initialization_entry,
     reference_completion,
     reweighted,
 )
@@ -230,7 +229,8 @@ def test_lr_scaling_error():
     assert lr_scaling_error([{"learning_rate": 1e-5, "update_norm": 0.0}]) == [float("inf")]
 
 
-def _entry(uri="tinker://a/weights/init", loaded="tinker://a/weights/init", **kw) -> dict:
+def _entry(loaded="tinker://a/weights/init", adapter_sha256=None, **init) -> dict:
+    """An arm's initialization_provenance entry in the shape the preflight writes."""
     checks = [
         optimizer_check(
             after_restore=i,
@@ -244,82 +244,46 @@ def _entry(uri="tinker://a/weights/init", loaded="tinker://a/weights/init", **kw
         )
         for i in (0, 1)
     ]
-    args = dict(
-        base_checkpoint="Qwen/Qwen3.5-2B",
-        checkpoint_uri=uri,
-        checkpoint_immutable=True,
-        loaded_checkpoint_uri=loaded,
-        load_succeeded=True,
-        evidence_ref="resp#load",
-        restore_count=1,
-        optimizer_checks=checks,
-        initial_output={
-            "available": True,
-            "batch_sha256": "b" * 64,
-            "output_sha256": "o" * 64,
-            "evidence_ref": "f",
-            "before_first_update": True,
-        },
-    )
-    args.update(kw)
-    return initialization_entry(**args)
-
-
-def test_initialization_entry_has_the_brief_shape():
-    e = _entry(adapter_sha256="c" * 64)
-    assert set(e) == {"initialization", "restore_count", "optimizer_checks", "initial_output"}
-    init = e["initialization"]
-    assert init["checkpoint_scope"] == "full_initialization" and init["source"] == "server_response"
-    assert init["before_first_update"] is True and init["adapter_sha256"] == "c" * 64
-    assert set(e["initial_output"]) == {
-        "available",
-        "batch_sha256",
-        "output_sha256",
-        "evidence_ref",
-        "before_first_update",
+    initialization = {
+        "checkpoint_uri": "tinker://a/weights/init",
+        "checkpoint_immutable": True,
+        "loaded_checkpoint_uri": loaded,
+        **init,
     }
+    if adapter_sha256 is not None:
+        initialization["adapter_sha256"] = adapter_sha256
+    return {"initialization": initialization, "restore_count": 1, "optimizer_checks": checks}
 
 
 def test_check_provenance_accepts_a_shared_proof():
-    prov = {"version": 1, "arms": {"a": _entry(), "b": _entry()}}
-    assert check_provenance(prov, ["a", "b"]) == []
+    assert check_provenance({"a": _entry(), "b": _entry()}) == []
 
 
 @pytest.mark.parametrize(
     "b_entry, expected",
     [
-        (
-            lambda: _entry(uri="tinker://x/weights/other", loaded="tinker://x/weights/other"),
-            "share one initial checkpoint",
-        ),
         (lambda: _entry(loaded="tinker://a/weights/elsewhere"), "server loaded"),
+        (lambda: _entry(loaded="tinker://a/weights/elsewhere"), "do not share one loaded checkpoint"),
         (lambda: _entry(loaded=None), "no loaded checkpoint URI"),
-        (lambda: _entry(load_succeeded=False), "load did not succeed"),
         (lambda: _entry(checkpoint_immutable=False), "not shown immutable"),
-        (lambda: _entry(restore_count=2), "optimizer checks cover"),
         (lambda: _entry(adapter_sha256="d" * 64), None),  # one-sided hash: nothing to compare
     ],
 )
 def test_check_provenance_failures(b_entry, expected):
-    prov = {"version": 1, "arms": {"a": _entry(), "b": b_entry()}}
-    failures = check_provenance(prov, ["a", "b"])
+    failures = check_provenance({"a": _entry(), "b": b_entry()})
     if expected is None:
         assert failures == []
     else:
         assert any(expected in f for f in failures), failures
 
 
-def test_check_provenance_flags_missing_arm_batch_and_hash_mismatch():
-    assert any("no initialization_provenance" in f for f in check_provenance({"arms": {"a": _entry()}}, ["a", "b"]))
-    b = _entry()
-    b["initial_output"]["batch_sha256"] = "e" * 64
-    assert any("fixed batches differ" in f for f in check_provenance({"arms": {"a": _entry(), "b": b}}, ["a", "b"]))
+def test_check_provenance_flags_hash_and_optimizer_mismatch():
     hashed = {"a": _entry(adapter_sha256="1" * 64), "b": _entry(adapter_sha256="2" * 64)}
-    assert any("adapter_sha256 differ" in f for f in check_provenance({"arms": hashed}, ["a", "b"]))
+    assert any("adapter_sha256 differ" in f for f in check_provenance(hashed))
     bad_opt = _entry()
     bad_opt["optimizer_checks"][1] = copy.deepcopy(bad_opt["optimizer_checks"][1])
     bad_opt["optimizer_checks"][1]["mismatches"] = ["learning_rate: requested 2e-05, server applied 0.001"]
-    assert any("optimizer mismatch" in f for f in check_provenance({"arms": {"a": _entry(), "b": bad_opt}}, ["a", "b"]))
+    assert any("optimizer mismatch" in f for f in check_provenance({"a": _entry(), "b": bad_opt}))
 
 
 def test_reweighted_is_a_fixed_gradient_selection():

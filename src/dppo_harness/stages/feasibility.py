@@ -30,15 +30,13 @@ import torch
 from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object
-from dppo_harness.loss import losses
 from dppo_harness.rollout import rollouts
-from dppo_harness.stages.arm_step import ArmStepProgress, run_arm_updates
+from dppo_harness.stages.arm_step import ArmStepProgress, make_loss, rollout_config, run_arm_updates
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.plans import ArmConfig, Plan, RunConfig
+    from dppo_harness.plans import Plan, RunConfig
 
 PILOT_GROUPS, PILOT_UPDATES, PILOT_EVAL_ITEMS = 2, 2, 4  # train groups sampled, updates per arm, test items
 
@@ -287,13 +285,13 @@ def run_timing_pilot(
         if progress is not None:
             progress(f"[preflight] feasibility pilot {msg} ({time.perf_counter() - t0:.0f}s)")
 
-    group_size, max_tokens = int(run.group_size.value), int(run.max_tokens.value)
     say("1/4: client from the initial checkpoint")
     client = service_client.create_training_client_from_state_with_optimizer(initial_checkpoint)
     setup_s = time.perf_counter() - t0
+    cfg = replace(rollout_config(run, run.seed), groups_per_batch=PILOT_GROUPS)  # the arms' settings, fewer groups
+    group_size, max_tokens = cfg.group_size, cfg.max_tokens
     say(f"2/4: sampling {PILOT_GROUPS} groups x {group_size} (max_tokens {max_tokens})")
     data = dataset.get(run.dataset)
-    cfg = rollouts.RolloutConfig(PILOT_GROUPS, group_size, float(run.temperature.value), max_tokens, seed=run.seed)
     items = data.load_split("train", seed=run.seed).items[:PILOT_GROUPS]
     sampled = rollouts.sample_rollout_batch(client, items, renderer, cfg, sampler_name="feasibility-pilot")
     if not sampled.datums:
@@ -304,7 +302,11 @@ def run_timing_pilot(
         f"3/4: {PILOT_UPDATES} timed updates of {len(minibatch)} sequences for each of {len(run.arms)} arm(s) "
         f"({ry.truncated} of {ry.n} sampled responses truncated)"
     )
-    by_arm = {arm.name: _time_arm_updates(client, sampled, minibatch, arm) for arm in run.arms}
+    by_arm: dict[str, list[float]] = {}
+    for arm in run.arms:  # each arm's own loss, recorder and optimizer, through the arm-step's update phase
+        done = ArmStepProgress(sampled=sampled)
+        run_arm_updates(client, arm, make_loss(arm, run), sampled, [minibatch] * PILOT_UPDATES, step=0, progress=done)
+        by_arm[arm.name] = done.update_seconds
     update_s = [t for times in by_arm.values() for t in times]
 
     eval_n = PILOT_EVAL_ITEMS if run.eval_items else 0
@@ -350,18 +352,6 @@ def run_timing_pilot(
     return timings, details
 
 
-def _time_arm_updates(
-    client: tinker.TrainingClient, sampled: rollouts.SampledStep, minibatch: list[int], arm: ArmConfig
-) -> list[float]:
-    """Seconds of each of PILOT_UPDATES updates of `arm` on the same minibatch, through the
-    arm-step's update phase with the arm's own loss (token_mean), recorder and optimizer."""
-    loss_cfg = losses.LossConfig.for_loss(arm.loss, "token_mean")
-    loss = (losses.make_loss_fn(loss_cfg), ins.LossCallRecorder(loss_cfg))
-    done = ArmStepProgress(sampled=sampled)
-    run_arm_updates(client, arm, loss, sampled, [minibatch] * PILOT_UPDATES, step=0, progress=done)
-    return list(done.update_seconds)
-
-
 def run_feasibility(
     service_client: tinker.ServiceClient,
     plan: Plan,
@@ -394,26 +384,24 @@ def run_feasibility(
     timings = replace(timings, setup_seconds=sum(setup_parts.values()))
     gpu_count, alloc = gpu_allocation(backend_kind)
     proj = project(run, timings, plan.budget, gpu_count=gpu_count)
+    schedule = schedule_json(plan.kind, run)
     pilot_config: JsonObject = {
         "backend": backend_kind,
         "plan": plan.name,
         "plan_sha256": plan.sha256,
         "initial_checkpoint": initial_checkpoint,
         "pilot_groups": PILOT_GROUPS,
-        "group_size": int(run.group_size.value),
-        "temperature": float(run.temperature.value),
-        "max_tokens": int(run.max_tokens.value),
+        **{k: schedule[k] for k in ("group_size", "temperature", "max_tokens")},
         "pilot_updates": PILOT_UPDATES,
-        "sequences_per_update": sequences_per_update(run),
+        "sequences_per_update": schedule["sequences_per_update"],
         "pilot_eval_items": timings.eval_items,
-        "eval_decoding": {"temperature": 0.0, "max_tokens": int(run.max_tokens.value)},
+        "eval_decoding": {"temperature": 0.0, "max_tokens": schedule["max_tokens"]},
         "reserve_fraction": RESERVE_FRACTION,
         "elapsed_seconds_taken_off_budget": 0.0,  # time spent in the session is the budget ledger's
         "setup_components_seconds": dict(setup_parts),
         "extrapolation": "sampling seconds per group x groups_per_batch, mean update seconds x "
         "updates_per_batch, per arm-step; eval seconds per item x eval items",
     }
-    schedule = schedule_json(plan.kind, run)
     block = feasibility_block(
         run,
         timings,
@@ -423,20 +411,16 @@ def run_feasibility(
         primary_endpoint=plan.experiment.primary_endpoint or plan.experiment.eval.metric,
         allocation_source=alloc,
     )
-    check = feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None)
-    failures = [p for p in proj.problems if not p.startswith("GPU-hours not projected")] if not proj.fits else []
     # For the budget ledger's per-stage check: the whole plan and the gate's pilot (its steps of
     # sampling + updates_per_batch updates), with the reserve.
     gate_s = (timings.setup_seconds + int(run.gate_pilot_steps.value) * proj.arm_step_seconds) * (1 + RESERVE_FRACTION)
-    stages = {"plan": proj.total_seconds, "gate": gate_s}
-    result = FeasibilityResult(timings, proj, block, proj.fits, failures, embedded_server)
     record = {
         "schedule": schedule,
         "timings": asdict(timings),
         "pilot": details,
         "projection": proj.as_dict(),
-        "stage_projections_with_reserve": stages,
-        "feasibility_check": check,
+        "stage_projections_with_reserve": {"plan": proj.total_seconds, "gate": gate_s},
+        "feasibility_check": feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None),
     }
     bundle.register_json(PILOT_FILE, "metrics", record)
     metrics = {
@@ -448,7 +432,8 @@ def run_feasibility(
     if proj.gpu_hours is not None:
         metrics["feasibility/projected_gpu_hours"] = proj.gpu_hours
     bundle.update_result(feasibility=block, metrics=metrics)
-    return result
+    failures = [p for p in proj.problems if not p.startswith("GPU-hours not projected")] if not proj.fits else []
+    return FeasibilityResult(timings, proj, block, proj.fits, failures, embedded_server)
 
 
 def gpu_allocation(backend_kind: str) -> tuple[int | None, str | None]:

@@ -20,7 +20,7 @@ import tinker
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.json_types import JsonObject, as_object, as_value
+from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.loss import loss_registry, losses
 from dppo_harness.loss.terms import LossStats
 from dppo_harness.stages.arm_step import ArmStepProgress, make_loss, rollout_config, run_arm_step
@@ -228,7 +228,6 @@ def run_activation_gate(
     *,
     backend: str,
     progress: Callable[[str], None] | None = None,
-    tag: str = "gate",
 ) -> GateReport:
     """Run the pilot of the plan's treatment arm at the plan's own schedule on a client restored from
     the shared initial checkpoint, evaluate every check of the plan's gate, write the report (own
@@ -239,14 +238,11 @@ def run_activation_gate(
     run = plan.spec_plan.run
     if run is None:
         raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
-    treatment = pilot_arm(plan.name, run)
+    arm = pilot_arm(plan.name, run)
     steps = int(run.gate_pilot_steps.value)
-    rollout_cfg = rollout_config(run, treatment.seed)  # every pilot step samples from the arm's seed
-    loss = make_loss(treatment, run)
-    recorder = loss[1]  # what the pilot measured is kept when it stops early
-    optim_counts: list[int] = []
-    samplers: list[str] = []
-    yields: list[answer_yield.ResponseYield] = []  # of each step's batch
+    rollout_cfg = rollout_config(run, arm.seed)  # every pilot step samples from the arm's seed
+    loss = make_loss(arm, run)
+    reached: list[ArmStepProgress] = []  # how far each step got: what the pilot measured is kept when it stops early
     base_model, base_model_source, loaded_checkpoint = None, "not measured", None
     errors: list[str] = []
     try:
@@ -263,60 +259,42 @@ def run_activation_gate(
                 f"(read from {base_model_source})"
             )
         renderer = tokenizer.make_renderer().renderer
-        train = dataset.get(run.dataset).load_split("train", seed=treatment.seed)
+        train = dataset.get(run.dataset).load_split("train", seed=arm.seed)
         for step in range(steps):  # the comparison's arm-step: sample from the current weights, then the updates
-            done = ArmStepProgress()
-            items = train.batch(step, rollout_cfg.groups_per_batch)
-            try:
-                run_arm_step(
-                    restored.client,
-                    treatment,
-                    run,
-                    loss,
-                    step,
-                    items,
-                    renderer,
-                    seed=treatment.seed,
-                    sampler_name=f"{tag}-sampler-s{step}",
-                    progress=done,
-                )
-            finally:  # what the step reached is kept when it stops part-way
-                if done.sampled is not None:
-                    samplers.append(done.sampled.sampler_path)
-                    yields.append(done.sampled.batch.response_yield())
-                if done.minibatches is not None:
-                    optim_counts.append(len(done.records))
-            bundle.register_bytes(f"{tag}-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
-            last = done.records[-1].stats if done.records else {}
+            reached.append(done := ArmStepProgress())
+            name, items = f"gate-sampler-s{step}", train.batch(step, rollout_cfg.groups_per_batch)
+            sampled_step, _ = run_arm_step(
+                restored.client, arm, run, loss, step, items, renderer, seed=arm.seed, sampler_name=name, progress=done
+            )
+            bundle.register_bytes(f"gate-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
+            last, y = (done.records[-1].stats if done.records else {}), sampled_step.batch.response_yield()
             say(
-                f"[gate] step {step + 1}/{steps}: {optim_counts[step]} updates, "
+                f"[gate] step {step + 1}/{steps}: {len(done.records)} updates, "
                 f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
                 f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
-                f"truncated {yields[step].truncated_frac:.2f}, no answer {yields[step].no_answer_frac:.2f}, "
+                f"truncated {y.truncated_frac:.2f}, no answer {y.no_answer_frac:.2f}, "
                 f"elapsed {time.monotonic() - t0:.0f}s"
             )
     except Exception as exc:  # the pilot stopping early is recorded, and the gate fails on missing values
         errors.append(f"pilot stopped: {type(exc).__name__}: {exc}")
-    records = recorder.records
-    values, per_step = gate_values(
-        records, optim_counts, base_model, steps, updates_per_batch=treatment.updates_per_batch
-    )
+    sampled = [d.sampled for d in reached if d.sampled is not None]
+    yields = [s.batch.response_yield() for s in sampled]
+    optim_counts = [len(d.records) for d in reached if d.minibatches is not None]
+    records = loss[1].records  # every loss call the pilot's recorder saw
+    values, per_step = gate_values(records, optim_counts, base_model, steps, updates_per_batch=arm.updates_per_batch)
     results = evaluate_gate(run.gate_checks, values)
     pilot_block = {  # the schedule run (the plan's), what was loaded and sampled, where the model name came from
-        "arm": treatment.name,
-        "loss": treatment.loss,
+        "arm": arm.name,
+        "loss": arm.loss,
         "steps": steps,
-        "groups_per_batch": rollout_cfg.groups_per_batch,
-        "group_size": rollout_cfg.group_size,
-        "temperature": rollout_cfg.temperature,
-        "max_tokens": rollout_cfg.max_tokens,
-        "updates_per_batch": treatment.updates_per_batch,
-        "adam": as_object(treatment.adam),
+        **{k: getattr(rollout_cfg, k) for k in ("groups_per_batch", "group_size", "temperature", "max_tokens")},
+        "updates_per_batch": arm.updates_per_batch,
+        "adam": as_object(arm.adam),
         "normalization": run.normalization,
-        "seed": treatment.seed,
+        "seed": arm.seed,
         "max_seq_len": run.max_seq_len,
-        "steps_completed": sum(1 for c in optim_counts if c == treatment.updates_per_batch),
-        "sampler_checkpoints": as_value(samplers),
+        "steps_completed": sum(1 for c in optim_counts if c == arm.updates_per_batch),
+        "sampler_checkpoints": [s.sampler_path for s in sampled],
         "initial_checkpoint": initial_checkpoint,
         "loaded_checkpoint": loaded_checkpoint,
         "backend": backend,

@@ -16,7 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, NotRequired, Protocol, TypedDict
@@ -27,7 +27,7 @@ from pydantic import JsonValue
 
 from dppo_harness import constants
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.json_types import JsonObject, as_object, items, num
+from dppo_harness.json_types import JsonObject, as_object, items
 from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.service.observed import create_from_state_with_response, describe_client
 from dppo_harness.service.wait.policy import call_with_capacity_retry, error_text, is_capacity_error
@@ -36,7 +36,7 @@ from dppo_harness.train.clients import RestorationError, datum_arrays, dump_resp
 from dppo_harness.train.fingerprints import LOGPROB_ATOL, batch_sha256, compare_logprobs, logprobs_sha256
 from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check, own_response_only
 from dppo_harness.train.restore import Restore, restore
-from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm
+from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm, update_norm_from_tensors
 
 if TYPE_CHECKING:
     import torch
@@ -152,7 +152,6 @@ class RestorationResult:
     batch_sha256: str
     output_sha256: dict[str, str]
     provenance: InitializationProvenance  # initialization-provenance.json
-    passed: bool
     failures: list[str]
     lr_scaling: LrScalingBlock
     probe: RestoreProbeResult
@@ -163,14 +162,16 @@ class RestorationResult:
     def clients(self) -> dict[str, tinker.TrainingClient]:
         return {a: r.client for a, r in self.loaded.items()}
 
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
     def failure_message(self) -> str:
         return "restoration preflight failed:\n  - " + "\n  - ".join(self.failures)
 
     def preflight_service_work(self) -> dict[str, dict[str, int]]:
-        """Optimizer updates the preflight issued on its throwaway probe clients, from its own records:
-        the restore-continuity probe (one update on the uninterrupted client, then one on each of the
-        uninterrupted and the restored client) and one update per measured LR probe, less the one at
-        the planned LR, which is the continuity probe's first update. No sampling."""
+        """Optimizer updates the preflight issued on its throwaway probe clients: the continuity probe's
+        three, and one per measured LR probe less the planned LR's (the continuity probe's update 1)."""
         lr, shared = self.lr_scaling, int(self.probe.base_lr_update_norm is not None)
         lr_updates = max(0, len(lr.lr_scaling) - shared) if isinstance(lr, LrScalingMeasured) else 0
         return {
@@ -190,8 +191,7 @@ class ArmProvenance(TypedDict):
 
 
 class InitializationProvenance(TypedDict):
-    """initialization-provenance.json; the result's `initialization_provenance` has `version`,
-    `arms` and (when some arm does not train) `excluded_arms`."""
+    """initialization-provenance.json (the result's has `version`, `arms`, `excluded_arms`)."""
 
     version: int
     arms: dict[str, ArmProvenance]
@@ -201,104 +201,36 @@ class InitializationProvenance(TypedDict):
     failures: NotRequired[list[str]]
 
 
-def initialization_entry(
-    *,
-    base_checkpoint: str,
-    checkpoint_uri: str,
-    checkpoint_immutable: bool | None,
-    loaded_checkpoint_uri: str | None,
-    load_succeeded: bool,
-    evidence_ref: str,
-    restore_count: int,
-    optimizer_checks: Sequence[Mapping[str, object]],
-    initial_output: JsonObject,
-    adapter_sha256: str | None = None,
-    checkpoint_immutable_reason: str | None = None,
-) -> ArmProvenance:
-    """One arm's `initialization_provenance` entry (version 1).
-
-    `checkpoint_immutable` is None when the duplicate save proved nothing (no explicit refusal);
-    `checkpoint_immutable_reason` says what the duplicate save got either way."""
-    init: JsonObject = {
-        "base_checkpoint": base_checkpoint,
-        "checkpoint_uri": checkpoint_uri,
-        "checkpoint_immutable": checkpoint_immutable,
-        "checkpoint_scope": "full_initialization",
-        "loaded_checkpoint_uri": loaded_checkpoint_uri,
-        "load_succeeded": load_succeeded,
-        "source": "server_response",
-        "evidence_ref": evidence_ref,
-        "before_first_update": True,
-    }
-    if checkpoint_immutable_reason is not None:
-        init["checkpoint_immutable_reason"] = checkpoint_immutable_reason
-    if adapter_sha256 is not None:
-        init["adapter_sha256"] = adapter_sha256
-    return {
-        "initialization": init,
-        "restore_count": restore_count,
-        "optimizer_checks": [as_object(c) for c in optimizer_checks],
-        "initial_output": initial_output,
-    }
-
-
-def check_provenance(provenance: InitializationProvenance, arms: Sequence[str]) -> list[str]:
-    """Every failure of the group's initialization proof; empty means the group is proved."""
+def check_provenance(entries: Mapping[str, ArmProvenance]) -> list[str]:
+    """Every failure of the group's initialization proof the service's answers can cause (the
+    preflight builds every entry from one checkpoint, one batch and restore_count 1); empty means
+    the group is proved."""
     failures: list[str] = []
-    entries = provenance.get("arms", {})
-    for arm in arms:
-        if arm not in entries:
-            failures.append(f"{arm}: no initialization_provenance entry")
-    present = [a for a in arms if a in entries]
-    for arm in present:
-        e = entries[arm]
+    for arm, e in entries.items():
         init = e["initialization"]
-        if not init.get("load_succeeded"):
-            failures.append(f"{arm}: checkpoint load did not succeed")
-        immutable = init.get("checkpoint_immutable")
+        immutable, why = init["checkpoint_immutable"], init.get("checkpoint_immutable_reason")
         if immutable is None:
-            failures.append(
-                f"{arm}: checkpoint_immutable unverified: "
-                + str(init.get("checkpoint_immutable_reason") or "no explicit refusal to overwrite")
-            )
+            failures.append(f"{arm}: checkpoint_immutable unverified: {why or 'no explicit refusal to overwrite'}")
         elif not immutable:
-            failures.append(
-                f"{arm}: initial checkpoint not shown immutable"
-                + (f": {init['checkpoint_immutable_reason']}" if init.get("checkpoint_immutable_reason") else "")
-            )
-        if init.get("loaded_checkpoint_uri") is None:
+            failures.append(f"{arm}: initial checkpoint not shown immutable" + (f": {why}" if why else ""))
+        if init["loaded_checkpoint_uri"] is None:
             failures.append(f"{arm}: no loaded checkpoint URI in the server's load response")
         elif init["loaded_checkpoint_uri"] != init["checkpoint_uri"]:
             failures.append(
                 f"{arm}: server loaded {init['loaded_checkpoint_uri']!r}, expected {init['checkpoint_uri']!r}"
             )
-        checks = e.get("optimizer_checks", [])
-        covered = sorted(int(num(c["after_restore"])) for c in checks)
-        if covered != list(range(e["restore_count"] + 1)):
-            failures.append(f"{arm}: optimizer checks cover restores {covered}, need 0..{e['restore_count']}")
-        for c in checks:
-            if c["mismatches"]:
-                failures.append(
-                    f"{arm}: optimizer mismatch after restore {c['after_restore']}: "
-                    + "; ".join(str(m) for m in items(c["mismatches"]))
-                )
-        if not e["initial_output"].get("available"):
-            failures.append(f"{arm}: initial output unavailable")
-    # Shared identity: one checkpoint, one loaded URI, one batch, same outputs.
-    for key, label in (
-        ("checkpoint_uri", "initial checkpoint"),
-        ("loaded_checkpoint_uri", "loaded checkpoint"),
-        ("base_checkpoint", "base checkpoint"),
-    ):
-        values = {entries[a]["initialization"].get(key) for a in present}
-        if len(values) > 1:
-            failures.append(f"arms do not share one {label}: {sorted(map(str, values))}")
-    hashes = {str(h) for a in present if (h := entries[a]["initialization"].get("adapter_sha256")) is not None}
+        failures += [
+            f"{arm}: optimizer mismatch after restore {c['after_restore']}: "
+            + "; ".join(str(m) for m in items(c["mismatches"]))
+            for c in e["optimizer_checks"]
+            if c["mismatches"]
+        ]
+    loaded = {str(e["initialization"]["loaded_checkpoint_uri"]) for e in entries.values()}
+    if len(loaded) > 1:
+        failures.append(f"arms do not share one loaded checkpoint: {sorted(loaded)}")
+    hashes = {str(h) for e in entries.values() if (h := e["initialization"].get("adapter_sha256")) is not None}
     if len(hashes) > 1:
         failures.append(f"arms' adapter_sha256 differ: {sorted(hashes)}")
-    batches = {entries[a]["initial_output"].get("batch_sha256") for a in present}
-    if len(batches) > 1:
-        failures.append(f"arms' fixed batches differ: {sorted(map(str, batches))}")
     return failures
 
 
@@ -325,9 +257,9 @@ class UpdateNormMeasure(Protocol):
 
 
 class LocalCheckpointReader:
-    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir: their hash and
-    the distance between two. Local backend only (the Tinker API exposes no parameters); torch and
-    the embedded server's model module load on the first read, so another backend loads neither."""
+    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir. Local backend
+    only (the Tinker API exposes no parameters); torch and the embedded server's model module load
+    on the first read, so another backend loads neither."""
 
     description = (
         "local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
@@ -356,13 +288,6 @@ class LocalCheckpointReader:
 
         return state_sha256(self.adapter(path))
 
-    def update_norm(self, before: str, after: str) -> float:
-        """||theta_after - theta_before|| over all LoRA parameters, in float64."""
-        a, b = self.adapter(before), self.adapter(after)
-        if sorted(a) != sorted(b):
-            raise RestorationError("checkpoints have different parameter names")
-        return math.sqrt(sum(float(((b[k].double() - a[k].double()) ** 2).sum()) for k in a))
-
 
 class CheckpointUpdateNorm:
     """UpdateNormMeasure via save_state before and after the update (local backend)."""
@@ -378,7 +303,7 @@ class CheckpointUpdateNorm:
         before = client.save_state(f"{self.tag}-norm{self._n}-before").result().path
         apply_update()
         after = client.save_state(f"{self.tag}-norm{self._n}-after").result().path
-        return self.reader.update_norm(before, after)
+        return update_norm_from_tensors(self.reader.adapter(before), self.reader.adapter(after))
 
 
 def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multipliers: Sequence[float]) -> bool:
@@ -394,14 +319,14 @@ def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multiplier
 
 @dataclass(frozen=True)
 class ProbeRun:
-    """What every probe of one preflight shares: the ServiceClient its clients live on, the fixed
-    batch, the kept responses, the tolerance, how client-creating calls are made, the progress line."""
+    """What every probe of one preflight shares."""
 
     sc: tinker.ServiceClient
+    checkpoint: str
     batch: list[tinker.Datum]
     rec: Recorder
     call: CallWrapper
-    say: Callable[[str], None] = lambda _m: None
+    say: Callable[[str], None]
 
 
 def adam_params(cfg: Mapping[str, float], lr: float | None = None) -> tinker.AdamParams:
@@ -428,13 +353,11 @@ def reweighted(batch: Sequence[tinker.Datum], scale: float, keep: Callable[[int]
     for i, d in enumerate(batch):
         _, targets_T, mask_T = datum_arrays(d)
         w_T = (mask_T * np.float32(scale)) if keep(i) else np.zeros_like(mask_T)
+        inputs = {"target_tokens": targets_T, "weights": w_T.astype(np.float32)}
         out.append(
             tinker.Datum(
                 model_input=d.model_input,
-                loss_fn_inputs={
-                    "target_tokens": tinker.TensorData.from_numpy(targets_T),
-                    "weights": tinker.TensorData.from_numpy(w_T.astype(np.float32)),
-                },
+                loss_fn_inputs={k: tinker.TensorData.from_numpy(v) for k, v in inputs.items()},
             )
         )
     return out
@@ -448,7 +371,6 @@ def probe_gradient(batch: Sequence[tinker.Datum]) -> list[tinker.Datum]:
 def restore_probe(
     run: ProbeRun,
     uninterrupted: tinker.TrainingClient,
-    initial_checkpoint: str,
     opt_cfg: Mapping[str, float],
     tag: str,
     update_norm: UpdateNormMeasure | None = None,
@@ -463,10 +385,9 @@ def restore_probe(
     LR-scaling probe at the planned LR (`base_lr_update_norm`).
     """
     adam, batch, rec, atol = adam_params(opt_cfg), run.batch, run.rec, LOGPROB_ATOL
-    g1, g2 = probe_gradient(batch), reweighted(batch, 1.0, lambda i: i % 2 == 1)
     run.say("4/6: probe update 1 on the uninterrupted client")
     done: list[tinker.OptimStepResponse] = []
-    update1 = partial(fixed_gradient_step, uninterrupted, g1, adam)
+    update1 = partial(fixed_gradient_step, uninterrupted, probe_gradient(batch), adam)
     norm1 = None if update_norm is None else update_norm(uninterrupted, lambda: done.append(update1()))
     # without a measure, or one that never applied the update, it is applied here, unmeasured
     opt1 = done[0] if done else update1()
@@ -474,22 +395,24 @@ def restore_probe(
     mid = uninterrupted.save_state(f"{tag}-probe-after-update1").result()
     rec.keep("probe_save_mid", mid)
     r = run.call(lambda: restore(run.sc, mid.path, f"restore probe ({tag})"))
-    restored, resp = r.client, r.response
-    describe_client(run.sc, restored, "restore probe: created from the uninterrupted probe's mid save")
-    rec.keep("probe_load_mid", resp)
+    describe_client(run.sc, r.client, "restore probe: created from the uninterrupted probe's mid save")
+    rec.keep("probe_load_mid", r.response)
     rec.keep("probe_load_mid.get_info", r.info)
     run.say("4/6: probe update 2 on both clients, then logprobs compared")
+    g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
     before = full_logprobs(uninterrupted, batch)
-    opt2_u = fixed_gradient_step(uninterrupted, g2, adam)
-    opt2_r = fixed_gradient_step(restored, g2, adam)
-    rec.keep("probe_optim_step_2_uninterrupted", opt2_u)
-    rec.keep("probe_optim_step_2_restored", opt2_r)
+    opt2 = {
+        "uninterrupted": fixed_gradient_step(uninterrupted, g2, adam),
+        "restored": fixed_gradient_step(r.client, g2, adam),
+    }
+    for k, v in opt2.items():
+        rec.keep(f"probe_optim_step_2_{k}", v)
     after_u = full_logprobs(uninterrupted, batch)
-    cmp = compare_logprobs(after_u, full_logprobs(restored, batch), atol)
+    cmp = compare_logprobs(after_u, full_logprobs(r.client, batch), atol)
     effect = compare_logprobs(before, after_u, atol)
     failures: list[str] = []
-    if resp.path != mid.path:
-        failures.append(f"probe restore: server load response path {resp.path!r} != saved {mid.path!r}")
+    if r.loaded_path != mid.path:
+        failures.append(f"probe restore: server load response path {r.loaded_path!r} != saved {mid.path!r}")
     if not cmp["within_tolerance"]:
         failures.append(f"restored probe update differs from uninterrupted: max |diff| {cmp['max_abs_diff']} > {atol}")
     if effect["within_tolerance"]:  # too small to tell a lost update from a matching one
@@ -498,16 +421,15 @@ def restore_probe(
             "the restore comparison cannot tell a lost update from a matching one"
         )
     return RestoreProbeResult(
-        initial_checkpoint=initial_checkpoint,
+        initial_checkpoint=run.checkpoint,
         mid_checkpoint=mid.path,
-        loaded_checkpoint_uri=resp.path,
+        loaded_checkpoint_uri=r.loaded_path,
         adam_params=adam.model_dump(),
         restored_vs_uninterrupted=as_object(cmp),
         second_update_effect=as_object(effect),
         optim_metrics={
             "update1": dict(opt1.metrics or {}),
-            "update2_uninterrupted": dict(opt2_u.metrics or {}),
-            "update2_restored": dict(opt2_r.metrics or {}),
+            **{f"update2_{k}": dict(v.metrics or {}) for k, v in opt2.items()},
         },
         echoed_config=echoed_config(opt1.metrics, list(opt_cfg)),
         echo_ref=echo_ref,
@@ -518,7 +440,6 @@ def restore_probe(
 
 def lr_scaling_probe(
     run: ProbeRun,
-    initial_checkpoint: str,
     opt_cfg: Mapping[str, float],
     multipliers: Sequence[float],
     update_norm: UpdateNormMeasure | None,
@@ -532,8 +453,7 @@ def lr_scaling_probe(
     Adam's first step is lr * m_hat / (sqrt(v_hat) + eps) ~ lr * sign(g), so update_norm / lr
     should be the same at every LR; the relative change against the first probe is checked.
     """
-    base_lr = float(opt_cfg["learning_rate"])
-    lrs = [base_lr * float(m) for m in multipliers]
+    lrs = [float(opt_cfg["learning_rate"]) * float(m) for m in multipliers]
     if update_norm is None:
         return LrScalingUnavailable(NO_UPDATE_NORM, lrs)
 
@@ -542,22 +462,21 @@ def lr_scaling_probe(
             f"{update_norm.description}: {getattr(update_norm, 'last_error', None) or 'no measurement'}", lrs
         )
 
-    if any(v is None for v in (measured or {}).values()):
+    norms = dict(measured or {})
+    if None in norms.values():
         return unavailable()
     g = probe_gradient(run.batch)
-    norms: dict[float, float] = {lr: float(v) for lr, v in (measured or {}).items() if v is not None}
     for i, lr in enumerate(lrs, start=1):
         if lr in norms:
             run.say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}: measured by the restore probe's update 1")
             continue
         run.say(f"6/6: LR probe {i}/{len(lrs)} at lr {lr:g}")
-        client, _ = run.call(lambda: create_from_state_with_response(run.sc, initial_checkpoint))
+        client, _ = run.call(lambda: create_from_state_with_response(run.sc, run.checkpoint))
         describe_client(run.sc, client, f"LR-scaling probe at lr {lr:g} (fresh from the initial checkpoint)")
-        norm = update_norm(client, partial(fixed_gradient_step, client, g, adam_params(opt_cfg, lr)))
-        if norm is None:
+        norms[lr] = update_norm(client, partial(fixed_gradient_step, client, g, adam_params(opt_cfg, lr)))
+        if norms[lr] is None:
             return unavailable()
-        norms[lr] = float(norm)
-    probes: list[dict[str, float]] = [{"learning_rate": lr, "update_norm": norms[lr]} for lr in lrs]
+    probes = [{"learning_rate": lr, "update_norm": float(n)} for lr in lrs if (n := norms[lr]) is not None]
     errors = lr_scaling_error(probes)
     worst = max(errors)
     passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= LR_SCALING_RTOL)
@@ -594,24 +513,13 @@ def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -
     `update_norm: null`, `available: false` and the reason (never invented, never an empty list),
     and `lr_scaling_status` says why.
     """
-    out = json.loads(json.dumps(correctness_block))
-    status: JsonObject = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE}
+    out, written = json.loads(json.dumps(correctness_block)), lr_block.to_json()
     if isinstance(lr_block, LrScalingMeasured):
-        status.update(
-            passed=lr_block.passed,
-            rtol=lr_block.rtol,
-            relative_error=None if lr_block.relative_error is None else list(lr_block.relative_error),
-            measure=lr_block.measure,
-            reset=lr_block.reset,
-        )
-        entries: list[JsonObject] = [dict(p) for p in lr_block.lr_scaling]
+        keys, entries = ("passed", "rtol", "relative_error", "measure", "reset"), written["lr_scaling"]
     else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
-        reason = lr_block.reason or "not measured"
-        entries = [
-            {"learning_rate": float(lr), "update_norm": None, "available": False, "reason": reason}
-            for lr in lr_block.learning_rates
-        ] or [{"learning_rate": None, "update_norm": None, "available": False, "reason": reason}]
-        status["reason"] = lr_block.reason
+        unmeasured: JsonObject = {"update_norm": None, "available": False, "reason": lr_block.reason}
+        keys, entries = ("reason",), [{"learning_rate": lr, **unmeasured} for lr in lr_block.learning_rates or [None]]
+    status = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE, **{k: written[k] for k in keys}}
     for path in out.get("paths", []):
         path["lr_scaling"] = json.loads(json.dumps(entries))
         path["lr_scaling_status"] = status
@@ -631,7 +539,7 @@ FIXED_BATCH_ITEMS = 4
 
 
 def restoration_arms(spec: ExperimentSpec) -> list[RestorationArm]:
-    """The (single) initialization group's arms with optimizer and config, from the validated spec."""
+    """The (single) initialization group's arms."""
     rp = spec.restoration_preflight
     if not rp.applicable:
         raise RestorationError("plan has no applicable restoration_preflight")
@@ -654,10 +562,9 @@ def reference_completion(solution: str, reference: str) -> str:
 def build_fixed_batch(
     n_items: int = FIXED_BATCH_ITEMS, seed: int = 0, dataset_name: str = "gsm8k"
 ) -> tuple[list[tinker.Datum], JsonObject]:
-    """The first `n_items` train items of the plan's dataset (GSM8K: cookbook order, `seed`), rendered
-    with the qwen3_5 renderer (one-shot prefix, cookbook prompt), reference solutions as the
-    assistant targets; weights 1 on the answer's tokens, 0 on the prompt. Returns the datums and a
-    description (item ids, lengths) for evidence."""
+    """The first `n_items` train items of the plan's dataset (cookbook order, `seed`) rendered with
+    their reference solutions as the assistant targets (weight 1 on the answer's tokens, 0 on the
+    prompt), and a description (item ids, lengths) for evidence."""
     data = dataset.get(dataset_name)
     bundle = tokenizer.make_renderer()
     items = data.load_split("train", seed=seed).items[:n_items]
@@ -768,11 +675,9 @@ def fresh_checkpoint(
 ) -> InitialCheckpoint:
     """Step 1: a fresh LoRA client saves the immutable initial checkpoint.
 
-    No per-model seed is sent: Spindle's multi-LoRA backend refuses one (the creation future fails,
-    "Miles multi-LoRA does not support per-model seeds"), and a seed would prove nothing anyway;
-    every arm is proved to start from this one saved state by its observed load. `seed` is the
-    plan's initialization group's."""
-    # Setup client on the probe ServiceClient: released with it; its checkpoint stays.
+    No per-model seed is sent: Spindle's multi-LoRA backend refuses one ("Miles multi-LoRA does not
+    support per-model seeds"); every arm is proved to start from this one saved state by its
+    observed load. The setup client lives on the probe ServiceClient, released with it."""
     client = call(lambda: probe_sc.create_lora_training_client(base_model=base_model, rank=rank))
     name_client(client, "setup client (shared)")
     describe_client(
@@ -804,9 +709,8 @@ def fresh_checkpoint(
 def adapter_hashes(
     reader: LocalCheckpointReader | None, arms: Mapping[str, Restore], tag: str, rec: Recorder
 ) -> tuple[dict[str, str | None], str, list[str]]:
-    """Each arm's adapter sha256 as loaded (local backend: read back from a save of each arm; not an
-    update; None where unmeasurable), how it was measured, and every arm whose adapter differs from
-    its checkpoint's."""
+    """Each arm's adapter sha256 as loaded (local backend: a save of each arm read back; else None),
+    how it was measured, and every arm whose adapter differs from its checkpoint's."""
     hashes: dict[str, str | None] = dict.fromkeys(arms)
     if reader is None:
         return hashes, ADAPTERS_UNMEASURED, []
@@ -829,21 +733,18 @@ def initial_outputs(
     source: Sequence[np.ndarray] | None = None,
 ) -> tuple[dict[str, str], JsonObject, list[str]]:
     """Step 3: full logprobs of every arm on the fixed batch before any update, compared: each arm's
-    output sha256, the comparisons (by `first_vs_other`) and every pair outside the tolerance. With
-    a single arm, `source` (the setup client's logprobs, taken before its first update) is what it
-    is compared with, so the check can still fail."""
-    names = list(arms)
-    logprobs = {a: full_logprobs(arms[a].client, fixed_batch) for a in names}
-    out_sha = {a: logprobs_sha256(lp) for a, lp in logprobs.items()}
-    stored = dict(logprobs)
-    pairs: list[tuple[str, str, Sequence[np.ndarray]]] = [(names[0], other, logprobs[other]) for other in names[1:]]
-    if len(names) == 1 and source is not None:
-        pairs = [(names[0], SOURCE_OUTPUT_KEY, source)]
+    output sha256, the comparisons (by `first_vs_other`) and every pair outside the tolerance.
+    `source` (the setup client's logprobs, taken before its first update) is what a single arm is
+    compared with, so the check can still fail."""
+    stored = {a: full_logprobs(r.client, fixed_batch) for a, r in arms.items()}
+    out_sha = {a: logprobs_sha256(lp) for a, lp in stored.items()}
+    if source is not None:
         stored[SOURCE_OUTPUT_KEY] = list(source)
+    first, *others = stored
     cmp: JsonObject = {}
     failures: list[str] = []
-    for first, other, lp in pairs:
-        c = compare_logprobs(logprobs[first], lp, LOGPROB_ATOL)
+    for other in others:
+        c = compare_logprobs(stored[first], stored[other], LOGPROB_ATOL)
         cmp[f"{first}_vs_{other}"] = as_object(c)
         if not c["within_tolerance"]:
             failures.append(
@@ -869,8 +770,8 @@ def initial_outputs(
 def backend_update_norm(
     local_run_dir: Path | None, probe_service_client: tinker.ServiceClient
 ) -> tuple[LocalCheckpointReader | None, UpdateNormMeasure | None]:
-    """(checkpoint reader, update-norm measure) a backend allows: the embedded server's checkpoints
-    on disk under `local_run_dir`, else the trained weights read back through the SDK."""
+    """(checkpoint reader, update-norm measure): the embedded server's checkpoints under
+    `local_run_dir`, else the trained weights read back through the SDK."""
     if local_run_dir is not None:
         return LocalCheckpointReader(local_run_dir), None
     return None, ExternalWeightsUpdateNorm(probe_service_client.create_rest_client)
@@ -906,20 +807,17 @@ def run_restoration_preflight(
         if progress is not None:
             progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
 
-    # The group's arms, the trained ones among them (in the group's order), their one seed, the run's checkpoint tag.
     run = plan.spec_plan.run
     assert run is not None  # every experiment spec has its RunConfig from load
-    group = restoration_arms(plan.spec_plan.experiment)
-    if trained_arms is not None and (not trained_arms or set(trained_arms) - {a.name for a in group}):
-        raise RestorationError(
-            f"trained_arms {list(trained_arms)}: not arms of the initialization group {[a.name for a in group]}"
-        )
-    trained = [a for a in group if trained_arms is None or a.name in set(trained_arms)]
-    names, cfgs = [a.name for a in trained], {a.name: a.optimizer_config.model_dump(exclude_none=True) for a in trained}
-    seeds = {a.name: a.seed for a in run.arms}
-    if len({seeds.get(a) for a in names}) > 1:
+    group = [a.name for a in restoration_arms(plan.spec_plan.experiment)]
+    if trained_arms is not None and (not trained_arms or set(trained_arms) - set(group)):
+        raise RestorationError(f"trained_arms {list(trained_arms)}: not arms of the initialization group {group}")
+    trained = [run.arm(a) for a in group if trained_arms is None or a in trained_arms]
+    names, cfgs = [a.name for a in trained], {a.name: a.adam_config_requested() for a in trained}
+    if len({a.seed for a in trained}) > 1:
+        seeds = {a.name: a.seed for a in run.arms}
         raise RestorationError(f"arms in one initialization group have different seeds: {seeds}")
-    seed = seeds.get(names[0], 0)
+    seed = trained[0].seed
     tag = re.sub(r"[^A-Za-z0-9._-]", "-", str(bundle.run_id or uuid.uuid4().hex[:12]))[:64]  # names its saves
     if fixed_batch is None:
         fixed_batch, fixed_batch_description = build_fixed_batch(seed=seed, dataset_name=run.dataset)
@@ -932,14 +830,13 @@ def run_restoration_preflight(
         if capacity is None
         else (lambda fn: call_with_capacity_retry(fn, policy=capacity, registry=registry))
     )
-    rec = Recorder()
-    probe_sc = probe_service_client or service_client
-    prun = ProbeRun(probe_sc, batch, rec, call, say)
+    rec, probe_sc = Recorder(), probe_service_client or service_client
 
     say(f"1/6: fresh LoRA rank-{run.lora_rank} client on {base_model} and the shared initial checkpoint")
     shared = fresh_checkpoint(probe_sc, base_model, run.lora_rank, seed, tag, rec, call)
+    prun = ProbeRun(probe_sc, shared.path, batch, rec, call, say)
     bundle.add_checkpoint("initial", 0, shared.path)
-    # The setup client's own output, before its first update: what one loaded arm is compared with.
+    # before its first update, the setup client's output is what one loaded arm is compared with
     source_lp = full_logprobs(shared.client, batch) if len(names) == 1 else None
 
     loaded: dict[str, Restore] = {}
@@ -962,78 +859,87 @@ def run_restoration_preflight(
         update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
     in_plan = update_norm if planned_lr_on_setup_client(update_norm, lr_multipliers) else None
     say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
-    probe = restore_probe(prun, shared.client, shared.path, opt_cfg, tag, update_norm=in_plan)
+    probe = restore_probe(prun, shared.client, opt_cfg, tag, update_norm=in_plan)
     probes = {names[0]: probe}
     for a in names[1:]:
-        cfg = cfgs[a]
-        same = next((p for b, p in probes.items() if cfgs[b] == cfg), None)
-        if same is not None:
-            probes[a] = same
-            continue
-        say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
-        client, _ = call(partial(create_from_state_with_response, probe_sc, shared.path, f"probe-{a}"))
-        describe_client(probe_sc, client, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
-        own = ProbeRun(probe_sc, batch, rec.prefixed(f"{a}:"), call, say)
-        probes[a] = restore_probe(own, client, shared.path, cfg, f"{tag}-{a}")
-        probes[a].echo_observed_on = probes[a].uninterrupted_client = (
-            f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
-        )
-        probe.own_config_probes[a] = probes[a]  # written with the step-4 probe (PROBE_FILE)
+        same = next((p for b, p in probes.items() if cfgs[b] == cfgs[a]), None)
+        if same is None:
+            say(f"4/6: create-save-restore probe again for arm {a} (its own optimizer config)")
+            client, _ = call(partial(create_from_state_with_response, probe_sc, shared.path, f"probe-{a}"))
+            describe_client(probe_sc, client, f"restore probe of arm {a}'s config: fresh from the initial checkpoint")
+            same = restore_probe(replace(prun, rec=rec.prefixed(f"{a}:")), client, cfgs[a], f"{tag}-{a}")
+            same.echo_observed_on = same.uninterrupted_client = (
+                f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
+            )
+            probe.own_config_probes[a] = same  # written with the step-4 probe (PROBE_FILE)
+        probes[a] = same
     failures += probe.failures + [f"{a}: {m}" for a, r in probe.own_config_probes.items() for m in r.failures]
 
     say("5/6: optimizer checks and initialization provenance")
     arms: dict[str, ArmProvenance] = {}
     for arm in trained:  # optimizer checks at creation (0) and restore (1), against its own config's echo
-        a = arm.name
+        a, p = arm.name, probes[arm.name]
         check = partial(
             optimizer_check,
             requested_optimizer=arm.optimizer,
             requested_config=cfgs[a],
-            echoed=probes[a].echoed_config or None,
-            echo_ref=probes[a].echo_ref,
-            echo_observed_on=probes[a].echo_observed_on,
+            echoed=p.echoed_config or None,
+            echo_ref=p.echo_ref,
+            echo_observed_on=p.echo_observed_on,
         )
-        arms[a] = initialization_entry(
-            base_checkpoint=base_model,
-            checkpoint_uri=shared.path,
-            checkpoint_immutable=shared.immutable,
-            checkpoint_immutable_reason=shared.immutable_reason or None,
-            loaded_checkpoint_uri=loaded[a].loaded_path,
-            load_succeeded=True,  # the service answered the load (what it loaded is checked by its path)
-            evidence_ref=load_ref(a),
-            restore_count=1,
-            optimizer_checks=[
-                check(after_restore=0, info=shared.info, info_ref=f"{RESPONSES_FILE}#create_shared.get_info"),
-                check(after_restore=1, info=loaded[a].info, info_ref=f"{load_ref(a)}.get_info"),
+        init: JsonObject = {
+            "base_checkpoint": base_model,
+            "checkpoint_uri": shared.path,
+            "checkpoint_immutable": shared.immutable,  # None: the duplicate save proved nothing
+            "checkpoint_scope": "full_initialization",
+            "loaded_checkpoint_uri": loaded[a].loaded_path,
+            "load_succeeded": True,  # the service answered the load (what it loaded is checked by its path)
+            "source": "server_response",
+            "evidence_ref": load_ref(a),
+            "before_first_update": True,
+            "checkpoint_immutable_reason": shared.immutable_reason,
+        }
+        if adapters[a] is not None:
+            init["adapter_sha256"] = adapters[a]
+        arms[a] = {
+            "initialization": init,
+            "restore_count": 1,
+            "optimizer_checks": [
+                as_object(
+                    check(after_restore=0, info=shared.info, info_ref=f"{RESPONSES_FILE}#create_shared.get_info")
+                ),
+                as_object(check(after_restore=1, info=loaded[a].info, info_ref=f"{load_ref(a)}.get_info")),
             ],
-            initial_output={
+            "initial_output": {
                 "available": True,
                 "batch_sha256": b_sha,
                 "output_sha256": out_sha[a],
                 "evidence_ref": INITIAL_OUTPUT_FILE,
                 "before_first_update": True,
             },
-            adapter_sha256=adapters[a],
-        )
-    failures += check_provenance({"version": 1, "arms": arms}, names)
+        }
+    failures += check_provenance(arms)
 
     say(
         f"6/6: LR-scaling probe ({len(lr_multipliers)} learning rates, a fresh state each"
         + ("; the planned one is the probe's update 1 on the setup client)" if in_plan else ")")
     )
     measured = {float(opt_cfg["learning_rate"]): probe.base_lr_update_norm} if in_plan else None
-    lr_block = lr_scaling_probe(prun, shared.path, opt_cfg, lr_multipliers, update_norm, measured)
+    lr_block = lr_scaling_probe(prun, opt_cfg, lr_multipliers, update_norm, measured)
     if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
         failures.append(f"LR scaling: {lr_block.problem}")
     say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
-    # The evidence files; the result's initialization_provenance has `version` and `arms`, and when
-    # some arm does not train also `excluded_arms`, each posted check keeping only what the arm's
-    # OWN responses exposed.
-    provenance: InitializationProvenance = {"version": 1, "arms": arms}
+    # The result's initialization_provenance has `version` and `arms`, and when some arm does not
+    # train also `excluded_arms`, each posted check keeping only what the arm's OWN responses exposed.
+    excluded = {a: EXCLUDED_REASON for a in group if a not in names}
     posted: InitializationProvenance = {"version": 1, "arms": arms}
-    excluded = {a.name: EXCLUDED_REASON for a in group if a.name not in names}
+    if trained_arms is not None:
+        mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
+        posted = {"version": 1, "arms": {a: {**e, "optimizer_checks": mine[a]} for a, e in arms.items()}}
+        posted["excluded_arms"] = excluded
+    provenance: InitializationProvenance = {"version": 1, "arms": arms}
     if excluded:
-        provenance["excluded_arms"] = dict(excluded)
+        provenance["excluded_arms"] = excluded
     provenance["group"] = {
         "arms": list(names),
         "initial_checkpoint": shared.path,
@@ -1043,10 +949,6 @@ def run_restoration_preflight(
         "server_responses": RESPONSES_FILE,
     }
     provenance["passed"], provenance["failures"] = not failures, list(failures)
-    if trained_arms is not None:
-        mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
-        posted = {"version": 1, "arms": {a: {**e, "optimizer_checks": mine[a]} for a, e in arms.items()}}
-        posted["excluded_arms"] = dict(excluded)
     bundle.register_json(RESPONSES_FILE, "log", rec.responses)
     bundle.register_json(PROBE_FILE, "metrics", probe.to_json())
     bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
@@ -1062,7 +964,6 @@ def run_restoration_preflight(
         batch_sha256=b_sha,
         output_sha256=out_sha,
         provenance=provenance,
-        passed=not failures,
         failures=failures,
         lr_scaling=lr_block,
         probe=probe,
