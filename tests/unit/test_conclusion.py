@@ -11,13 +11,11 @@ from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.plans import load_plan
 from dppo_harness.stages.diagnostic.classification import deterministic_selftest
 from dppo_harness.stages.diagnostic.conclusion import cause_for_question, count_sentences
-from dppo_harness.stages.diagnostic.config import diagnostic_config
 from dppo_harness.stages.diagnostic.loop import RunState
 from dppo_harness.stages.diagnostic.write import analyse
 
 PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-CFG = diagnostic_config(PLAN)
 STAND_IN = ServedModel("Qwen/Qwen3.5-2B", "local/tiny-qwen3-gsm8k")
 REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")
 
@@ -25,7 +23,7 @@ REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")
 def _result(served, drift=0.0):
     records = simulate_records(seed=1, drift_per_update=drift)
     state = RunState(None, records=records, updates_done=len(records), setup_seconds=40.0, wall_seconds=579.4)
-    return analyse(CFG, PLAN, state, deterministic_selftest(), {}, served=served)
+    return analyse(PLAN, state, deterministic_selftest(), {}, served=served)
 
 
 def test_count_sentences():

@@ -9,7 +9,7 @@ from diagnostic_rehearsal import simulate_records
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import pool_calls
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
-from dppo_harness.plans import load_plan
+from dppo_harness.plans import PlanError, load_plan
 from dppo_harness.plans.models import AnalysisCriterion
 from dppo_harness.stages.diagnostic.classification import (
     anchor_problems,
@@ -19,7 +19,7 @@ from dppo_harness.stages.diagnostic.classification import (
     pinned_variant_problems,
 )
 from dppo_harness.stages.diagnostic.conclusion import next_action
-from dppo_harness.stages.diagnostic.config import DiagnosticError, diagnostic_config
+from dppo_harness.stages.diagnostic.config import DiagnosticError, config_record, loss_config
 
 PLANS = Path(__file__).parents[2] / "plans"
 TINY_PLAN = Path(__file__).parents[1] / "fixtures" / "plans" / "diagnostic-ci-tiny.json"
@@ -27,14 +27,19 @@ PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
 SPEC_PLAN = load_plan(PLANS / "exp_e6b0965af3.json")
 SPEC = SPEC_PLAN.experiment
 CRITERIA = PLAN.diagnostic.analysis.criteria
-CFG = diagnostic_config(PLAN)
+CFG = loss_config(PLAN.diagnostic)
 
 
 def test_config_is_the_plan_as_written():
-    c = CFG
-    assert (c.groups_per_batch, c.group_size, c.minibatches_per_epoch, c.groups_per_minibatch) == (32, 8, 8, 4)
-    assert (c.epochs, c.max_updates, c.max_wall_seconds, c.max_tokens) == (2, 16, 720.0, 512)
-    assert c.adam == {
+    c = config_record(PLAN.diagnostic)
+    assert [c[k] for k in ("groups_per_batch", "group_size", "minibatches_per_epoch", "groups_per_minibatch")] == [
+        32,
+        8,
+        8,
+        4,
+    ]
+    assert [c[k] for k in ("epochs", "max_updates", "max_wall_seconds", "max_tokens")] == [2, 16, 720.0, 512]
+    assert c["adam"] == {
         "learning_rate": 2e-5,
         "beta1": 0.9,
         "beta2": 0.95,
@@ -43,12 +48,13 @@ def test_config_is_the_plan_as_written():
         "grad_clip_norm": 0.0,
     }
     delta = PLAN.raw["fixed_settings"]["treatment"]["delta"]
-    assert (c.delta, c.ratio_cap, c.ppo_eps, c.normalization) == (delta, 10.0, 0.2, "token_mean")
-    assert c.sentinel_after_updates == (0, 1, 2, 4, 8, 16)
-    tiny = diagnostic_config(load_plan(TINY_PLAN))  # a smaller run is a smaller plan file
-    assert (tiny.groups_per_batch, tiny.group_size, tiny.max_updates, tiny.max_tokens) == (2, 4, 2, 32)
-    with pytest.raises(DiagnosticError, match="bounded_diagnostic"):
-        diagnostic_config(SPEC_PLAN)
+    assert [c[k] for k in ("delta", "ratio_cap", "ppo_eps", "normalization")] == [delta, 10.0, 0.2, "token_mean"]
+    assert c["sentinel_after_updates"] == [0, 1, 2, 4, 8, 16]
+    assert (CFG.dppo_delta, CFG.ratio_cap, CFG.ppo_eps, CFG.normalization) == (delta, 10.0, 0.2, "token_mean")
+    tiny = config_record(load_plan(TINY_PLAN).diagnostic)  # a smaller run is a smaller plan file
+    assert [tiny[k] for k in ("groups_per_batch", "group_size", "max_updates", "max_tokens")] == [2, 4, 2, 32]
+    with pytest.raises(PlanError, match="bounded_diagnostic"):
+        _ = SPEC_PLAN.diagnostic
     assert pinned_variant_problems(CFG) == []
 
 
@@ -76,14 +82,14 @@ def test_selftest_fails_on_a_broken_loss(mutant, request):
     high_q = not st["cases"]["must_fire_high_q_small_ratio"]["passed"]
     if "grpo-instead" in request.node.name:
         assert not st["cases"]["must_not_fire_large_ratio_small_prob"]["passed"]
-        assert high_q or CFG.delta >= CFG.ppo_eps / (1 + CFG.ppo_eps)
+        assert high_q or CFG.dppo_delta >= CFG.ppo_eps / (1 + CFG.ppo_eps)
     else:
         assert high_q
 
 
 def _analyse(records):
     second = [r for r in records if r.context["epoch"] == 2]
-    pooled = pool_calls(second, [ins.record_prob_diff(r, CFG.loss_config()) for r in second]) if second else None
+    pooled = pool_calls(second, [ins.record_prob_diff(r, CFG) for r in second]) if second else None
     crit = evaluate_criteria(CRITERIA, pooled) if pooled else []
     return second, pooled, crit
 
@@ -100,7 +106,7 @@ def _classify(records, **kw):
         updates_done=len(records),
         second_epoch_calls=len(second),
         stop_reason="update cap reached",
-        delta=CFG.delta,
+        delta=CFG.dppo_delta,
     )
     args.update(kw)
     return classify(**args)
@@ -114,8 +120,8 @@ def test_on_policy_run_is_an_inactive_regime_not_a_defect():
     assert by_id["dppo_masked_fraction"].passed is False and by_id["pooled_abs_drift_q90"].passed is False
     c = _classify(records)
     assert c.state == "inactive" and c.cause == "legitimate_inactive_regime"
-    assert f"vs +delta {CFG.delta}" in c.explanation and "self-test passed" in c.explanation
-    action = next_action(c, CFG, SPEC, "r1")
+    assert f"vs +delta {CFG.dppo_delta}" in c.explanation and "self-test passed" in c.explanation
+    action = next_action(c, PLAN.diagnostic, SPEC)
     assert action["kind"] == "cheapest_next_action" and not action["executed"]
 
 
@@ -126,7 +132,7 @@ def test_drifting_run_is_active_and_yields_a_frozen_revised_spec_not_executed():
     assert all(c.passed for c in crit if c.applies), [(c.id, c.reason) for c in crit]
     c = _classify(records)
     assert c.active and c.state == "active" and c.cause is None
-    action = next_action(c, CFG, SPEC, "r1")
+    action = next_action(c, PLAN.diagnostic, SPEC)
     assert action["kind"] == "frozen_revised_comparison_spec" and action["executed"] is False
     assert len(action["spec_sha256"]) == 64
     assert all(a["updates_per_batch"] == 16 for a in action["spec"]["arms"])
@@ -136,10 +142,10 @@ def test_drifting_run_is_active_and_yields_a_frozen_revised_spec_not_executed():
 
 def test_pooling_weights_by_loss_tokens_not_by_call():
     records = simulate_records(seed=4, drift_per_update=0.02)[8:]
-    pooled = pool_calls(records, [ins.record_prob_diff(r, CFG.loss_config()) for r in records])
+    pooled = pool_calls(records, [ins.record_prob_diff(r, CFG) for r in records])
     want = sum(r.stats["dppo/removed"] for r in records) / sum(r.stats["tokens/loss"] for r in records)
     assert pooled["dppo/masked_frac_loss_tokens"] == pytest.approx(want)
-    d = np.concatenate([ins.record_prob_diff(r, CFG.loss_config())[r.tensors["mask_N"] != 0] for r in records])
+    d = np.concatenate([ins.record_prob_diff(r, CFG)[r.tensors["mask_N"] != 0] for r in records])
     assert pooled["drift/abs_p90"] == pytest.approx(float(np.quantile(np.abs(d), 0.9)))
     assert sum(sum(h) for h in pooled["hist"].values()) == pooled["tokens/loss"]
 

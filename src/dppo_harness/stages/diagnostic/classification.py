@@ -24,7 +24,7 @@ from dppo_harness.loss import losses
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
 from dppo_harness.loss.terms import LossStats
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured, is_number
-from dppo_harness.stages.diagnostic.config import DiagnosticConfig, DiagnosticError
+from dppo_harness.stages.diagnostic.config import DiagnosticError
 
 if TYPE_CHECKING:
     from dppo_harness.plans.models import AnalysisCriterion
@@ -42,13 +42,13 @@ def _fmt(x: JsonValue, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def pinned_variant_problems(cfg: DiagnosticConfig) -> list[str]:
+def pinned_variant_problems(cfg: losses.LossConfig) -> list[str]:
     """The trained rule must be the pinned reference variant: the registered losses' parameters
     (delta and C of the DPPO rule, eps of the GRPO clip it counts)."""
     problems = []
     dppo, grpo = get_loss(DPPO_LOSS).params, get_loss(GRPO_LOSS).params
     for name, got, want in (
-        ("delta", cfg.delta, dppo["dppo_delta"]),
+        ("delta", cfg.dppo_delta, dppo["dppo_delta"]),
         ("ratio_cap", cfg.ratio_cap, dppo["ratio_cap"]),
         ("ppo_eps", cfg.ppo_eps, grpo["ppo_eps"]),
     ):

@@ -21,10 +21,10 @@ from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.json_types import JsonObject
 from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
 from dppo_harness.stages.diagnostic.classification import Classification
-from dppo_harness.stages.diagnostic.config import DiagnosticConfig
 
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec
+    from dppo_harness.plans.models import BoundedDiagnostic
 
 
 def cause_for_question(measured_cause: str | None, served: ServedModel) -> str | None:
@@ -109,9 +109,8 @@ def for_planned_model(c: Classification, served: ServedModel) -> Classification:
 
 def next_action(
     classification: Classification,
-    cfg: DiagnosticConfig,
+    d: BoundedDiagnostic,
     spec: ExperimentSpec | None,
-    plan_id: str,
     served: ServedModel | None = None,
     measured: Mapping[str, JsonValue] | None = None,
 ) -> JsonObject:
@@ -125,7 +124,7 @@ def next_action(
             "action": f"run this same frozen plan unchanged on the real service (Spindle, {served.planned}): the "
             f"stand-in's result says nothing about {served.planned}; more epochs become a candidate only after a "
             "real-model run shows the regime is inactive there",
-            "plan_id": plan_id,
+            "plan_id": d.plan_id,
             "plan_changes": [],
             "served_model": served.served,
             "measured_on_stand_in": dict(measured or {}),  # analyse passes what the run measured
@@ -134,20 +133,21 @@ def next_action(
             ],
         }
     if classification.active and spec is not None:
+        sch = d.schedule
         revised = spec.model_dump(mode="json", exclude_unset=True)
         revised["title"] = spec.title + " (revised schedule r2, proposed)"
         revised["method"] = (
             spec.method
-            + f"\n\nRevision r2 (from {plan_id}): each rollout batch of {cfg.groups_per_batch} groups x {cfg.group_size} "
-            f"is split into {cfg.minibatches_per_epoch} minibatches of {cfg.groups_per_minibatch} complete groups and "
-            f"trained for {cfg.epochs} epochs ({cfg.minibatches_per_epoch * cfg.epochs} optim_steps per batch), the "
+            + f"\n\nRevision r2 (from {d.plan_id}): each rollout batch of {sch.groups_per_batch} groups x {sch.group_size} "
+            f"is split into {sch.minibatches_per_epoch} minibatches of {sch.groups_per_minibatch} complete groups and "
+            f"trained for {sch.epochs} epochs ({sch.minibatches_per_epoch * sch.epochs} optim_steps per batch), the "
             "schedule under which the bounded diagnostic measured an engaged DPPO mask. Both arms use it."
         )
         for arm in revised.get("arms", []):
-            arm["updates_per_batch"] = cfg.minibatches_per_epoch * cfg.epochs
+            arm["updates_per_batch"] = sch.minibatches_per_epoch * sch.epochs
         for check in revised.get("activation_gate", {}).get("checks", []):
             if check.get("metric") == "executed_updates_per_batch":
-                check["min"] = check["max"] = cfg.minibatches_per_epoch * cfg.epochs
+                check["min"] = check["max"] = sch.minibatches_per_epoch * sch.epochs
         revised["feasibility"] = None
         blob = json.dumps(revised, sort_keys=True, separators=(",", ":")).encode()
         return {
