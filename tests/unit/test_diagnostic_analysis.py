@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from diagnostic_rehearsal import simulate_records
 
+from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import pool_calls
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
@@ -16,9 +17,9 @@ from dppo_harness.stages.diagnostic.classification import (
     classify,
     deterministic_selftest,
     evaluate_criteria,
+    next_action,
     pinned_variant_problems,
 )
-from dppo_harness.stages.diagnostic.conclusion import next_action
 from dppo_harness.stages.diagnostic.config import DiagnosticError, config_record, loss_config
 
 PLANS = Path(__file__).parents[2] / "plans"
@@ -28,6 +29,7 @@ SPEC_PLAN = load_plan(PLANS / "exp_e6b0965af3.json")
 SPEC = SPEC_PLAN.experiment
 CRITERIA = PLAN.diagnostic.analysis.criteria
 CFG = loss_config(PLAN.diagnostic)
+REAL = ServedModel(PLAN.planned_model, PLAN.planned_model)
 
 
 def test_config_is_the_plan_as_written():
@@ -107,6 +109,7 @@ def _classify(records, **kw):
         second_epoch_calls=len(second),
         stop_reason="update cap reached",
         delta=CFG.dppo_delta,
+        served=REAL,
     )
     args.update(kw)
     return classify(**args)
@@ -121,7 +124,7 @@ def test_on_policy_run_is_an_inactive_regime_not_a_defect():
     c = _classify(records)
     assert c.state == "inactive" and c.cause == "legitimate_inactive_regime"
     assert f"vs +delta {CFG.dppo_delta}" in c.explanation and "self-test passed" in c.explanation
-    action = next_action(c, PLAN.diagnostic, SPEC)
+    action = next_action(c, PLAN.diagnostic, SPEC, REAL, len(records))
     assert action["kind"] == "cheapest_next_action" and not action["executed"]
 
 
@@ -132,7 +135,7 @@ def test_drifting_run_is_active_and_yields_a_frozen_revised_spec_not_executed():
     assert all(c.passed for c in crit if c.applies), [(c.id, c.reason) for c in crit]
     c = _classify(records)
     assert c.active and c.state == "active" and c.cause is None
-    action = next_action(c, PLAN.diagnostic, SPEC)
+    action = next_action(c, PLAN.diagnostic, SPEC, REAL, len(records))
     assert action["kind"] == "frozen_revised_comparison_spec" and action["executed"] is False
     assert len(action["spec_sha256"]) == 64
     assert all(a["updates_per_batch"] == 16 for a in action["spec"]["arms"])

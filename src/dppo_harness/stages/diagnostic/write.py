@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -36,10 +37,10 @@ from dppo_harness.stages.diagnostic.classification import (
     classify,
     deterministic_selftest,
     evaluate_criteria,
+    next_action,
     pinned_variant_problems,
     trainer_moved,
 )
-from dppo_harness.stages.diagnostic.conclusion import compose_summary, for_planned_model, next_action
 from dppo_harness.stages.diagnostic.config import (
     BASIS_FOR_REFERENCES,
     FINALIZE_RESERVE_S,
@@ -139,18 +140,22 @@ class DiagnosticResult:
         if y := self.state.rollout_yield:  # the frozen batch's truncation and answer yield
             metrics |= {f"diagnostic/rollout_{k}": float(y[k]) for k in ("truncated_frac", "no_answer_frac")}
             metrics["diagnostic/rollout_mean_response_tokens"] = float(y["mean_response_tokens"])
-        summary = compose_summary(
-            served=self.served,
-            updates_done=self.state.updates_done,
-            max_updates=sch.max_optimizer_updates,
-            groups=sch.groups_per_batch,
-            group_size=sch.group_size,
-            wall_seconds=self.state.wall_seconds,
-            state=c.state,
-            cause=c.cause,
-            active=c.active,
-            next_action=str(self.next_action.get("action", "review the frozen revised comparison spec (not executed)")),
+        # Two plain sentences: what ran (naming the stand-in when one served) and what it showed,
+        # with the next action. Details live in report.md.
+        served, name = self.served, self.served.served or "a model the service did not name"
+        model = f"the stand-in {name} (not {served.planned})" if served.rehearsal else name
+        action = str(self.next_action.get("action", "review the frozen revised comparison spec (not executed)"))
+        shown = "the mask engaged" if c.active else f"the measured state was {c.state}"
+        sentences = (
+            f"A bounded DPPO diagnostic trained {model} for {self.state.updates_done} of {sch.max_optimizer_updates} "
+            f"updates on one frozen {sch.groups_per_batch}x{sch.group_size} GSM8K batch in {self.state.wall_seconds:.0f} s",
+            f"On the stand-in {shown}, so for {served.planned} the cause is {c.cause or 'none'} "
+            f"and the next action is to {action.split(':')[0]}"
+            if served.rehearsal
+            else f"Pooled over the second epoch {shown} (cause {c.cause or 'none'}); next: {action.split(':')[0]}",
         )
+        # No inner sentence ends: a summary sentence must stay one sentence.
+        summary = ". ".join(re.sub(r"[.!?](?=\s)", ",", x).rstrip(".!? ") for x in sentences) + "."
         calibration: JsonObject = {
             "values": {cr.id: (as_value(cr.value) if cr.value is not None else "missing") for cr in self.criteria},
             "note": (
@@ -264,15 +269,9 @@ def analyse(
         updates_planned=d.schedule.max_optimizer_updates,
         minibatches_per_epoch=d.schedule.minibatches_per_epoch,
         errors=state.errors,
+        served=served,
     )
-    classification = for_planned_model(classification, served)
-    measured: JsonObject = {  # what the run measured, as the next action cites it
-        "state": classification.state,
-        "measured_cause": classification.measured_cause,
-        "mask_fired": classification.mask_fired,
-        "updates_done": state.updates_done,
-    }
-    action = next_action(classification, d, spec, served, measured)
+    action = next_action(classification, d, spec, served, state.updates_done)
     return DiagnosticResult(d, state, sentinels, pooled, criteria, classification, selftest, action, served)
 
 
