@@ -143,7 +143,7 @@ def test_evidence_verify_passes(comparison_run, evidence_bundle):
 
 def test_summary_is_two_plain_sentences_naming_the_served_model(comparison_run, evidence_bundle):
     """The brief's output shape: at most 2 sentences; a rehearsal names the stand-in that computed."""
-    from dppo_harness.stages.diagnostic.conclusion import count_sentences
+    from summary_sentences import count_sentences
 
     summary = comparison_run.final["summary"]
     assert count_sentences(summary) <= 2, summary

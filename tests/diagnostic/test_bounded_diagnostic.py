@@ -8,6 +8,7 @@ import sys
 
 from dppo_harness.instrument.instrumentation import ANALYSIS_FILE
 from dppo_harness.stages.diagnostic.classification import CAUSES
+from dppo_harness.stages.diagnostic.config import max_wall_seconds
 from dppo_harness.stages.diagnostic.write import NEXT_ACTION_FILE, REFERENCES_FILE
 
 
@@ -24,8 +25,8 @@ def test_diagnostic_ran_as_planned_within_its_caps(diagnostic_run):
     run = diagnostic_run
     assert not run.state.errors, run.state.errors
     assert run.state.frozen.sha256, "no frozen batch: the diagnostic never sampled"
-    assert 1 <= run.state.updates_done <= run.config.max_updates
-    assert run.state.wall_seconds <= run.config.max_wall_seconds, f"{run.state.wall_seconds:.0f}s > cap"
+    assert 1 <= run.state.updates_done <= run.plan.schedule.max_optimizer_updates
+    assert run.state.wall_seconds <= max_wall_seconds(run.plan), f"{run.state.wall_seconds:.0f}s > cap"
     assert [r.context["update_index"] for r in run.state.records] == list(range(1, run.state.updates_done + 1))
     assert all(r.context["frozen_batch_sha256"] == run.state.frozen.sha256 for r in run.state.records)
     assert run.selftest["passed"], run.selftest

@@ -6,18 +6,16 @@ from pathlib import Path
 
 import pytest
 from diagnostic_rehearsal import simulate_records
+from summary_sentences import count_sentences
 
 from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.plans import load_plan
 from dppo_harness.stages.diagnostic.classification import deterministic_selftest
-from dppo_harness.stages.diagnostic.conclusion import cause_for_question, count_sentences
-from dppo_harness.stages.diagnostic.config import diagnostic_config
 from dppo_harness.stages.diagnostic.loop import RunState
 from dppo_harness.stages.diagnostic.write import analyse
 
 PLANS = Path(__file__).parents[2] / "plans"
 PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-CFG = diagnostic_config(PLAN)
 STAND_IN = ServedModel("Qwen/Qwen3.5-2B", "local/tiny-qwen3-gsm8k")
 REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")
 
@@ -25,7 +23,7 @@ REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")
 def _result(served, drift=0.0):
     records = simulate_records(seed=1, drift_per_update=drift)
     state = RunState(None, records=records, updates_done=len(records), setup_seconds=40.0, wall_seconds=579.4)
-    return analyse(CFG, PLAN, state, deterministic_selftest(), {}, served=served)
+    return analyse(PLAN, state, deterministic_selftest(), {}, served=served)
 
 
 def test_count_sentences():
@@ -53,8 +51,14 @@ def test_real_model_inactive_keeps_legitimate_regime_and_more_epochs():
 
 
 def test_code_defect_on_a_stand_in_stays_a_defect():
-    assert cause_for_question("code_or_instrumentation_defect", STAND_IN) == "code_or_instrumentation_defect"
-    assert cause_for_question(None, STAND_IN) == "missing_evidence"
+    records = simulate_records(seed=1)
+    state = RunState(None, records=records, updates_done=len(records))
+    selftest = deterministic_selftest()
+    selftest["passed"] = False
+    c = analyse(PLAN, state, selftest, {}, served=STAND_IN).classification
+    assert c.cause == c.measured_cause == "code_or_instrumentation_defect"
+    active = _result(STAND_IN, drift=0.012).classification
+    assert active.active and active.measured_cause is None and active.cause == "missing_evidence"
 
 
 @pytest.mark.parametrize("served", [STAND_IN, REAL], ids=["stand-in", "real"])

@@ -6,20 +6,21 @@ import numpy as np
 import pytest
 from diagnostic_rehearsal import simulate_records
 
+from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import pool_calls
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
-from dppo_harness.plans import load_plan
+from dppo_harness.plans import PlanError, load_plan
 from dppo_harness.plans.models import AnalysisCriterion
 from dppo_harness.stages.diagnostic.classification import (
     anchor_problems,
     classify,
     deterministic_selftest,
     evaluate_criteria,
+    next_action,
     pinned_variant_problems,
 )
-from dppo_harness.stages.diagnostic.conclusion import next_action
-from dppo_harness.stages.diagnostic.config import DiagnosticError, diagnostic_config
+from dppo_harness.stages.diagnostic.config import DiagnosticError, config_record, loss_config
 
 PLANS = Path(__file__).parents[2] / "plans"
 TINY_PLAN = Path(__file__).parents[1] / "fixtures" / "plans" / "diagnostic-ci-tiny.json"
@@ -27,14 +28,20 @@ PLAN = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
 SPEC_PLAN = load_plan(PLANS / "exp_e6b0965af3.json")
 SPEC = SPEC_PLAN.experiment
 CRITERIA = PLAN.diagnostic.analysis.criteria
-CFG = diagnostic_config(PLAN)
+CFG = loss_config(PLAN.diagnostic)
+REAL = ServedModel(PLAN.planned_model, PLAN.planned_model)
 
 
 def test_config_is_the_plan_as_written():
-    c = CFG
-    assert (c.groups_per_batch, c.group_size, c.minibatches_per_epoch, c.groups_per_minibatch) == (32, 8, 8, 4)
-    assert (c.epochs, c.max_updates, c.max_wall_seconds, c.max_tokens) == (2, 16, 720.0, 512)
-    assert c.adam == {
+    c = config_record(PLAN.diagnostic)
+    assert [c[k] for k in ("groups_per_batch", "group_size", "minibatches_per_epoch", "groups_per_minibatch")] == [
+        32,
+        8,
+        8,
+        4,
+    ]
+    assert [c[k] for k in ("epochs", "max_updates", "max_wall_seconds", "max_tokens")] == [2, 16, 720.0, 512]
+    assert c["adam"] == {
         "learning_rate": 2e-5,
         "beta1": 0.9,
         "beta2": 0.95,
@@ -43,12 +50,13 @@ def test_config_is_the_plan_as_written():
         "grad_clip_norm": 0.0,
     }
     delta = PLAN.raw["fixed_settings"]["treatment"]["delta"]
-    assert (c.delta, c.ratio_cap, c.ppo_eps, c.normalization) == (delta, 10.0, 0.2, "token_mean")
-    assert c.sentinel_after_updates == (0, 1, 2, 4, 8, 16)
-    tiny = diagnostic_config(load_plan(TINY_PLAN))  # a smaller run is a smaller plan file
-    assert (tiny.groups_per_batch, tiny.group_size, tiny.max_updates, tiny.max_tokens) == (2, 4, 2, 32)
-    with pytest.raises(DiagnosticError, match="bounded_diagnostic"):
-        diagnostic_config(SPEC_PLAN)
+    assert [c[k] for k in ("delta", "ratio_cap", "ppo_eps", "normalization")] == [delta, 10.0, 0.2, "token_mean"]
+    assert c["sentinel_after_updates"] == [0, 1, 2, 4, 8, 16]
+    assert (CFG.dppo_delta, CFG.ratio_cap, CFG.ppo_eps, CFG.normalization) == (delta, 10.0, 0.2, "token_mean")
+    tiny = config_record(load_plan(TINY_PLAN).diagnostic)  # a smaller run is a smaller plan file
+    assert [tiny[k] for k in ("groups_per_batch", "group_size", "max_updates", "max_tokens")] == [2, 4, 2, 32]
+    with pytest.raises(PlanError, match="bounded_diagnostic"):
+        _ = SPEC_PLAN.diagnostic
     assert pinned_variant_problems(CFG) == []
 
 
@@ -76,7 +84,7 @@ def test_selftest_fails_on_a_broken_loss(mutant, request):
     high_q = not st["cases"]["must_fire_high_q_small_ratio"]["passed"]
     if "grpo-instead" in request.node.name:
         assert not st["cases"]["must_not_fire_large_ratio_small_prob"]["passed"]
-        assert high_q or CFG.delta >= CFG.ppo_eps / (1 + CFG.ppo_eps)
+        assert high_q or CFG.dppo_delta >= CFG.ppo_eps / (1 + CFG.ppo_eps)
     else:
         assert high_q
 
@@ -100,7 +108,8 @@ def _classify(records, **kw):
         updates_done=len(records),
         second_epoch_calls=len(second),
         stop_reason="update cap reached",
-        delta=CFG.delta,
+        delta=CFG.dppo_delta,
+        served=REAL,
     )
     args.update(kw)
     return classify(**args)
@@ -114,8 +123,8 @@ def test_on_policy_run_is_an_inactive_regime_not_a_defect():
     assert by_id["dppo_masked_fraction"].passed is False and by_id["pooled_abs_drift_q90"].passed is False
     c = _classify(records)
     assert c.state == "inactive" and c.cause == "legitimate_inactive_regime"
-    assert f"vs +delta {CFG.delta}" in c.explanation and "self-test passed" in c.explanation
-    action = next_action(c, CFG, SPEC, "r1")
+    assert f"vs +delta {CFG.dppo_delta}" in c.explanation and "self-test passed" in c.explanation
+    action = next_action(c, PLAN.diagnostic, SPEC, REAL, len(records))
     assert action["kind"] == "cheapest_next_action" and not action["executed"]
 
 
@@ -126,7 +135,7 @@ def test_drifting_run_is_active_and_yields_a_frozen_revised_spec_not_executed():
     assert all(c.passed for c in crit if c.applies), [(c.id, c.reason) for c in crit]
     c = _classify(records)
     assert c.active and c.state == "active" and c.cause is None
-    action = next_action(c, CFG, SPEC, "r1")
+    action = next_action(c, PLAN.diagnostic, SPEC, REAL, len(records))
     assert action["kind"] == "frozen_revised_comparison_spec" and action["executed"] is False
     assert len(action["spec_sha256"]) == 64
     assert all(a["updates_per_batch"] == 16 for a in action["spec"]["arms"])

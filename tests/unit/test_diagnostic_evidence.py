@@ -12,7 +12,6 @@ from dppo_harness.evidence.snapshots import post_snapshot, snapshot_names
 from dppo_harness.loss import correctness, correctness_golden
 from dppo_harness.plans import PlanError, load_plan
 from dppo_harness.stages.diagnostic import write
-from dppo_harness.stages.diagnostic.config import diagnostic_config
 from dppo_harness.stages.diagnostic.loop import RunState
 from dppo_harness.stages.diagnostic.write import FEASIBILITY_SOURCE, ORIGINAL_GATE_REPORT_FILE
 
@@ -80,7 +79,7 @@ def test_feasibility_from_the_diagnostics_own_measurements():
     state = RunState(
         None, restore_seconds=5.0, sampling_seconds=60.0, sampled_sequences=256, update_seconds=[10.0] * 16
     )
-    f = write.diagnostic_feasibility(diagnostic_config(PLAN), state, {}, "x")
+    f = write.diagnostic_feasibility(PLAN.diagnostic, state, {}, "x")
     m = f["measurements"]
     assert m["training"]["seconds"] == 220.0 and m["training"]["units"] == 16 and m["training"]["samples"] == 768
     assert m["evaluation"]["planned_units"] == 0 and f["source"] == FEASIBILITY_SOURCE

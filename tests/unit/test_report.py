@@ -11,12 +11,10 @@ from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.plans import load_plan
 from dppo_harness.stages.diagnostic.classification import deterministic_selftest
-from dppo_harness.stages.diagnostic.config import diagnostic_config
 from dppo_harness.stages.diagnostic.loop import RunState
 from dppo_harness.stages.diagnostic.write import analyse
 
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
-CFG = diagnostic_config(PLAN)
 
 
 def _sentinel_points(drift: float):
@@ -45,7 +43,7 @@ def _analysis(drift: float):
         "last": points[-1],
     }
     state = RunState(None, records=records, updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
-    res = analyse(CFG, PLAN, state, deterministic_selftest(), sentinels, ServedModel(CFG.base_model, CFG.base_model))
+    res = analyse(PLAN, state, deterministic_selftest(), sentinels, ServedModel(PLAN.planned_model, PLAN.planned_model))
     return res.analysis_json(), res.next_action
 
 
@@ -63,7 +61,10 @@ def test_report_and_plots_are_registered_and_say_whether_the_mask_fired(tmp_path
     assert analysis["classification"]["explanation"] in text
     assert text.count("| ") > 20 and "![Sentinel drift](diagnostic-sentinel-drift.png)" in text
     if not fired:
-        assert "legitimate_inactive_regime" in text and f"vs +delta {CFG.delta}" in text
+        assert (
+            "legitimate_inactive_regime" in text
+            and f"vs +delta {PLAN.diagnostic.fixed_settings.treatment.delta}" in text
+        )
     assert verify_bundle(bundle.dir) == []
 
 

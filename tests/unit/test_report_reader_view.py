@@ -144,16 +144,13 @@ def test_diagnostic_report_states_truncation_next_to_the_renderer():
 
     from dppo_harness.evaluation import answer_yield
     from dppo_harness.stages.diagnostic.classification import deterministic_selftest
-    from dppo_harness.stages.diagnostic.config import diagnostic_config
     from dppo_harness.stages.diagnostic.loop import RunState
     from dppo_harness.stages.diagnostic.write import analyse
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-    cfg = diagnostic_config(plan)
     state = RunState(None, records=simulate_records(seed=1), updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
-    res = analyse(
-        cfg, plan, state, deterministic_selftest(), {"points": []}, ServedModel(cfg.base_model, cfg.base_model)
-    )
+    served = ServedModel(plan.planned_model, plan.planned_model)
+    res = analyse(plan, state, deterministic_selftest(), {"points": []}, served)
     analysis = res.analysis_json()
     eff = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))
     analysis["declared"] = {k: eff[k] for k in ("renderer", "loss_normalization")}

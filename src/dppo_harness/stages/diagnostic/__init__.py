@@ -7,7 +7,7 @@ the update cap or the wall cap, whichever comes first. Then pool all second-epoc
 loss-token counts, evaluate the plan's criteria, and classify the outcome.
 
 Parts: `config` (the plan's settings), `loop` (the run and what it measured), `classification`
-(the plan's criteria, the must-fire / must-not-fire self-test and the verdict), `conclusion`
-(the answer for the planned model and the next action), and `write` (the analysis and the one
-evidence writer: every file name and result.json field the diagnostic sets).
+(the plan's criteria, the must-fire / must-not-fire self-test, the verdict for the planned model and
+the next action), and `write` (the analysis and the one evidence writer: every file name and
+result.json field the diagnostic sets, the summary among them).
 """

@@ -3,10 +3,13 @@ second-epoch values (nothing tuned, relaxed or selected; a criterion that cannot
 as missing), the variant and anchor checks, the deterministic must-fire / must-not-fire self-test
 (fixed cases through the real packed loss and the recorder, their counts and gradients checked,
 exact +-delta boundaries included), and the classification: active or not, and if not, why (one of
-CAUSES), explained from the measured numbers."""
+CAUSES), explained from the measured numbers and judged for the planned model (the served model,
+`evidence.backend.ServedModel`, is an input), with the next action that follows."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -17,17 +20,19 @@ import tinker
 import torch
 from pydantic import JsonValue
 
+from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import POOLED_QUANTILES, RATIO_PARTS
-from dppo_harness.json_types import JsonMap, num
+from dppo_harness.json_types import JsonMap, JsonObject, num
 from dppo_harness.loss import losses
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
 from dppo_harness.loss.terms import LossStats
 from dppo_harness.stages.checks import Bounds, BoundsJson, Measured, is_number
-from dppo_harness.stages.diagnostic.config import DiagnosticConfig, DiagnosticError
+from dppo_harness.stages.diagnostic.config import DiagnosticError
 
 if TYPE_CHECKING:
-    from dppo_harness.plans.models import AnalysisCriterion
+    from dppo_harness.plans import ExperimentSpec
+    from dppo_harness.plans.models import AnalysisCriterion, BoundedDiagnostic
     from dppo_harness.stages.diagnostic.loop import SentinelPoint, SentinelSummary
 
 CAUSES = (
@@ -42,13 +47,13 @@ def _fmt(x: JsonValue, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
-def pinned_variant_problems(cfg: DiagnosticConfig) -> list[str]:
+def pinned_variant_problems(cfg: losses.LossConfig) -> list[str]:
     """The trained rule must be the pinned reference variant: the registered losses' parameters
     (delta and C of the DPPO rule, eps of the GRPO clip it counts)."""
     problems = []
     dppo, grpo = get_loss(DPPO_LOSS).params, get_loss(GRPO_LOSS).params
     for name, got, want in (
-        ("delta", cfg.delta, dppo["dppo_delta"]),
+        ("delta", cfg.dppo_delta, dppo["dppo_delta"]),
         ("ratio_cap", cfg.ratio_cap, dppo["ratio_cap"]),
         ("ppo_eps", cfg.ppo_eps, grpo["ppo_eps"]),
     ):
@@ -111,9 +116,9 @@ class Classification:
     variant_problems: tuple[str, ...]
     # The cause the measurements alone gave, before judging them for the planned model (a
     # stand-in's measured state is a fact about the stand-in only), and who computed.
-    measured_cause: str | None = None
-    served_model: str | None = None
-    stand_in: bool = False
+    measured_cause: str | None
+    served_model: str | None
+    stand_in: bool
 
 
 def _selftest_line(selftest: SelftestReport) -> str:
@@ -166,12 +171,17 @@ def classify(
     second_epoch_calls: int,
     stop_reason: str,
     delta: float,
+    served: ServedModel,
     updates_planned: int = 0,
     minibatches_per_epoch: int = 0,
     errors: Sequence[str] = (),
 ) -> Classification:
     """Active or not, and if not, why: one of CAUSES, explained from the measured numbers. A run
-    that stopped on an error and is not active lacks evidence (unless a defect was shown)."""
+    that stopped on an error and is not active lacks evidence (unless a defect was shown). The
+    cause is judged for the question asked (does the mask engage on the PLANNED model?): on a
+    stand-in nothing measured is evidence about the planned model, so it is missing_evidence
+    whatever the stand-in did (`measured_cause` keeps the measured one); a code defect found on the
+    stand-in stays a defect (the code is the same)."""
     evidence_against_defect = _selftest_line(selftest)
     applicable = [c for c in criteria if c.applies]
     active = bool(applicable) and all(c.passed for c in applicable) and not integrity_problems and not variant_problems
@@ -235,16 +245,104 @@ def classify(
     if errors and not active and cause != "code_or_instrumentation_defect":
         cause = "missing_evidence"
         explanation += f" The run stopped on an error before completing its schedule: {errors[0]}"
+    if served.rehearsal:
+        explanation += (
+            f" These measurements come from the stand-in {served.served}, not {served.planned}: the measured "
+            f"state ({state}, measured cause {cause or 'none'}) is a fact about the stand-in only, so for "
+            f"{served.planned} the evidence is missing."
+        )
     return Classification(
         state=state,
         mask_fired=fired,
         active=active,
-        cause=cause,
+        cause="missing_evidence" if served.rehearsal and cause != "code_or_instrumentation_defect" else cause,
         explanation=explanation,
         evidence_against_code_defect=evidence_against_defect,
         integrity_problems=tuple(integrity_problems),
         variant_problems=tuple(variant_problems),
+        measured_cause=cause,
+        served_model=served.served,
+        stand_in=served.rehearsal,
     )
+
+
+def next_action(
+    classification: Classification,
+    d: BoundedDiagnostic,
+    spec: ExperimentSpec | None,
+    served: ServedModel,
+    updates_done: int,
+) -> JsonObject:
+    """Stand-in: the same frozen plan unchanged on the real service. Active: the frozen revised
+    comparison spec (not executed). Otherwise: the cheapest next step."""
+    c = classification
+    if c.stand_in and c.cause != "code_or_instrumentation_defect":
+        return {  # the same frozen plan, unchanged, on the real service
+            "kind": "cheapest_next_action",
+            "executed": False,
+            "cause": "missing_evidence",
+            "action": f"run this same frozen plan unchanged on the real service (Spindle, {served.planned}): the "
+            f"stand-in's result says nothing about {served.planned}; more epochs become a candidate only after a "
+            "real-model run shows the regime is inactive there",
+            "plan_id": d.plan_id,
+            "plan_changes": [],
+            "served_model": served.served,
+            "measured_on_stand_in": {  # what the run measured
+                "state": c.state,
+                "measured_cause": c.measured_cause,
+                "mask_fired": c.mask_fired,
+                "updates_done": updates_done,
+            },
+            "not_yet_candidates": [
+                "more epochs over the frozen batch (only after a real-model run shows an inactive regime)"
+            ],
+        }
+    if classification.active and spec is not None:
+        sch = d.schedule
+        revised = spec.model_dump(mode="json", exclude_unset=True)
+        revised["title"] = spec.title + " (revised schedule r2, proposed)"
+        revised["method"] = (
+            spec.method
+            + f"\n\nRevision r2 (from {d.plan_id}): each rollout batch of {sch.groups_per_batch} groups x {sch.group_size} "
+            f"is split into {sch.minibatches_per_epoch} minibatches of {sch.groups_per_minibatch} complete groups and "
+            f"trained for {sch.epochs} epochs ({sch.minibatches_per_epoch * sch.epochs} optim_steps per batch), the "
+            "schedule under which the bounded diagnostic measured an engaged DPPO mask. Both arms use it."
+        )
+        for arm in revised.get("arms", []):
+            arm["updates_per_batch"] = sch.minibatches_per_epoch * sch.epochs
+        for check in revised.get("activation_gate", {}).get("checks", []):
+            if check.get("metric") == "executed_updates_per_batch":
+                check["min"] = check["max"] = sch.minibatches_per_epoch * sch.epochs
+        revised["feasibility"] = None
+        blob = json.dumps(revised, sort_keys=True, separators=(",", ":")).encode()
+        return {
+            "kind": "frozen_revised_comparison_spec",
+            "executed": False,
+            "spec_sha256": hashlib.sha256(blob).hexdigest(),
+            "requires_before_execution": [
+                "requester approval",
+                "feasibility pilot on the new schedule",
+                "restoration preflight",
+                "activation gate of the revised spec",
+            ],
+            "spec": revised,
+        }
+    cause = classification.cause
+    pinned = get_loss(DPPO_LOSS).params
+    cheapest = {
+        "missing_evidence": "rerun this same bounded diagnostic unchanged on a backend fast enough to reach the second "
+        "epoch inside the 12-minute cap (measure feasibility first); no setting changes",
+        "code_or_instrumentation_defect": "fix the defect named in the integrity problems, rerun the unit suite's "
+        "must-fire/must-not-fire and golden parity, then rerun this diagnostic unchanged",
+        "wrong_reference_or_variant": "re-pin the loss to the reference variant (sampler anchor, "
+        f"delta {pinned['dppo_delta']:g}, C {pinned['ratio_cap']:g}), "
+        "rerun correctness preflight, then rerun this diagnostic unchanged",
+        "legitimate_inactive_regime": "propose (not run) a requester-approved revised diagnostic in which the policy "
+        "moves further from the sampler before the trust region is judged (e.g. more "
+        "epochs over the frozen batch at the same lr), frozen before measurement",
+        None: "partially active: report the measured values; a revised plan needs the requester's approval",
+    }[cause]
+    return {"kind": "cheapest_next_action", "executed": False, "cause": cause, "action": cheapest}
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The bounded diagnostic's configuration: the plan's fixed settings and schedule (validated), and
-the fixed texts that say what this loop is.
+"""The bounded diagnostic's settings, read from the plan's `BoundedDiagnostic` (validated), and the
+fixed texts that say what this loop is.
 
 This loop is a REPLACEMENT written for this harness, not the earlier run's audited code: that
 code and its diagnosis could not be fetched from here (recorded as unavailable evidence).
@@ -7,14 +7,14 @@ code and its diagnosis could not be fetched from here (recorded as unavailable e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from dppo_harness.loss.loss_registry import DPPO_LOSS, Normalization
+from dppo_harness.json_types import JsonObject, as_object
+from dppo_harness.loss.loss_registry import DPPO_LOSS
 from dppo_harness.loss.losses import LossConfig
 
 if TYPE_CHECKING:
-    from dppo_harness.plans import Plan
+    from dppo_harness.plans.models import BoundedDiagnostic
 
 # Seconds kept free at the end of the cap for analysis, replay re-check, report and evidence.
 FINALIZE_RESERVE_S = 30.0
@@ -40,75 +40,59 @@ BASIS_FOR_REFERENCES = (
 
 
 ADAM_KEYS = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+SENTINELS_PER_SIGN = 4
 
 
 class DiagnosticError(RuntimeError):
     """The diagnostic cannot run as planned; the message says which requirement failed."""
 
 
-@dataclass(frozen=True)
-class DiagnosticConfig:
-    arm: str  # the original spec's arm this diagnostic trains
-    dataset: str  # a registered dataset (fixed_settings.sampling.dataset)
-    base_model: str
-    lora_rank: int
-    seed: int
-    groups_per_batch: int
-    group_size: int
-    temperature: float
-    max_tokens: int
-    minibatches_per_epoch: int
-    groups_per_minibatch: int
-    epochs: int
-    max_updates: int
-    max_wall_seconds: float
-    adam: dict[str, float]
-    normalization: Normalization
-    delta: float
-    ratio_cap: float
-    ppo_eps: float
-    sentinel_after_updates: tuple[int, ...]
-    sentinels_per_sign: int = 4
-    data_step: int = 0  # which train batch of the cookbook order is sampled
-
-    def loss_config(self) -> LossConfig:
-        # The plan kind pins DPPO Binary-TV (fixed_settings.treatment.loss); its thresholds are the plan's.
-        return LossConfig(
-            DPPO_LOSS,
-            normalization=self.normalization,
-            ppo_eps=self.ppo_eps,
-            dppo_delta=self.delta,
-            ratio_cap=self.ratio_cap,
-        )
+def adam(d: BoundedDiagnostic) -> dict[str, float]:
+    return {k: float(getattr(d.fixed_settings.optimizer, k)) for k in ADAM_KEYS}
 
 
-def diagnostic_config(plan: Plan) -> DiagnosticConfig:
-    """The fixed settings and schedule of a bounded-diagnostic plan (its model validated the schedule:
-    one sampled batch, never refreshed, complete-group minibatches); a smaller run is a smaller plan file."""
-    if plan.kind != "bounded_diagnostic":
-        raise DiagnosticError(f"plan kind {plan.kind!r}: the diagnostic runs a bounded_diagnostic plan")
-    d = plan.diagnostic
-    fs, sch = d.fixed_settings, d.schedule
-    opt, tr, samp = fs.optimizer, fs.treatment, fs.sampling
-    return DiagnosticConfig(
-        arm=tr.arm,
-        dataset=samp.dataset,
-        base_model=fs.base_model,
-        lora_rank=fs.lora_rank,
-        seed=fs.seed,
-        groups_per_batch=sch.groups_per_batch,
-        group_size=sch.group_size,
-        temperature=float(samp.temperature),
-        max_tokens=samp.max_tokens,
-        minibatches_per_epoch=sch.minibatches_per_epoch,
-        groups_per_minibatch=sch.groups_per_minibatch,
-        epochs=sch.epochs,
-        max_updates=sch.max_optimizer_updates,
-        max_wall_seconds=float(d.caps.max_wall_minutes) * 60.0,
-        adam={k: float(getattr(opt, k)) for k in ADAM_KEYS},
+def max_wall_seconds(d: BoundedDiagnostic) -> float:
+    return float(d.caps.max_wall_minutes) * 60.0
+
+
+def loss_config(d: BoundedDiagnostic) -> LossConfig:
+    # The plan kind pins DPPO Binary-TV (fixed_settings.treatment.loss); its thresholds are the plan's.
+    fs = d.fixed_settings
+    return LossConfig(
+        DPPO_LOSS,
         normalization=fs.loss_normalization.mode,
-        delta=float(tr.delta),
-        ratio_cap=float(tr.ratio_cap),
         ppo_eps=float(fs.counterfactual_baseline.ppo_eps),
-        sentinel_after_updates=tuple(d.recording.sentinels.after_updates),
+        dppo_delta=float(fs.treatment.delta),
+        ratio_cap=float(fs.treatment.ratio_cap),
     )
+
+
+def config_record(d: BoundedDiagnostic) -> JsonObject:
+    """The settings and schedule the diagnostic runs, as the analysis and the feasibility block
+    record them (the plan's model validated the schedule: one sampled batch, never refreshed,
+    complete-group minibatches); a smaller run is a smaller plan file."""
+    fs, sch, samp = d.fixed_settings, d.schedule, d.fixed_settings.sampling
+    return {
+        "arm": fs.treatment.arm,
+        "dataset": samp.dataset,
+        "base_model": fs.base_model,
+        "lora_rank": fs.lora_rank,
+        "seed": fs.seed,
+        "groups_per_batch": sch.groups_per_batch,
+        "group_size": sch.group_size,
+        "temperature": float(samp.temperature),
+        "max_tokens": samp.max_tokens,
+        "minibatches_per_epoch": sch.minibatches_per_epoch,
+        "groups_per_minibatch": sch.groups_per_minibatch,
+        "epochs": sch.epochs,
+        "max_updates": sch.max_optimizer_updates,
+        "max_wall_seconds": max_wall_seconds(d),
+        "adam": as_object(adam(d)),
+        "normalization": fs.loss_normalization.mode,
+        "delta": float(fs.treatment.delta),
+        "ratio_cap": float(fs.treatment.ratio_cap),
+        "ppo_eps": float(fs.counterfactual_baseline.ppo_eps),
+        "sentinel_after_updates": list(d.recording.sentinels.after_updates),
+        "sentinels_per_sign": SENTINELS_PER_SIGN,
+        "data_step": 0,  # which train batch of the cookbook order is sampled
+    }

@@ -29,9 +29,11 @@ from dppo_harness.rollout import rollouts
 from dppo_harness.rollout.frozen_batch import FrozenBatch, Minibatch
 from dppo_harness.stages.diagnostic.config import (
     FINALIZE_RESERVE_S,
-    DiagnosticConfig,
+    SENTINELS_PER_SIGN,
     DiagnosticError,
-    diagnostic_config,
+    adam,
+    loss_config,
+    max_wall_seconds,
 )
 from dppo_harness.stages.diagnostic.write import (
     DiagnosticResult,
@@ -51,6 +53,7 @@ from dppo_harness.train.restore import Restore, restore
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import ExperimentSpec, Plan
+    from dppo_harness.plans.models import BoundedDiagnostic
     from dppo_harness.stages.restoration import RestorationResult
 
 
@@ -240,7 +243,7 @@ def _restore_record(restored: Restore, initial_checkpoint: str, *, preloaded: bo
 
 def _freeze_and_split(
     tc: tinker.TrainingClient,
-    cfg: DiagnosticConfig,
+    d: BoundedDiagnostic,
     bundle: EvidenceBundle,
     state: RunState,
     say: Callable[[str], None],
@@ -248,11 +251,14 @@ def _freeze_and_split(
     """Sample ONE batch from the restored weights, freeze and persist it, split it into
     complete-group minibatches, choose the sentinels and measure them at initialization."""
     tok = tokenizer.make_renderer()
-    train = dataset.get(cfg.dataset).load_split("train", seed=cfg.seed)
-    rcfg = rollouts.RolloutConfig(cfg.groups_per_batch, cfg.group_size, cfg.temperature, cfg.max_tokens, seed=cfg.seed)
+    samp, sch, seed = d.fixed_settings.sampling, d.schedule, d.fixed_settings.seed
+    train = dataset.get(samp.dataset).load_split("train", seed=seed)
+    rcfg = rollouts.RolloutConfig(
+        sch.groups_per_batch, sch.group_size, float(samp.temperature), samp.max_tokens, seed=seed
+    )
     sampled = rollouts.sample_rollout_batch(
         tc,
-        train.batch(cfg.data_step, cfg.groups_per_batch),
+        train.batch(0, sch.groups_per_batch),  # the first train batch of the cookbook order
         tok.renderer,
         rcfg,
         sampler_name="diagnostic-sampler-initial",
@@ -262,7 +268,7 @@ def _freeze_and_split(
         sampled.batch, sampler_version=sampled.sampler_path, extra_metadata={"load": load, "tokenizer": tok.provenance}
     )
     register_frozen_batch(bundle, frozen)
-    bundle.add_checkpoint(cfg.arm, 0, sampled.sampler_path)
+    bundle.add_checkpoint(d.fixed_settings.treatment.arm, 0, sampled.sampler_path)
     state.rollout_yield = sampled.batch.response_yield().as_dict()
     summary: dict[str, Any] = sampled.batch.summary()
     state.sampling_seconds = float(summary["sampling_seconds"])
@@ -270,18 +276,18 @@ def _freeze_and_split(
     say(
         f"[diagnostic] sampled and froze {frozen.n_sequences} sequences ({summary['response_tokens']} response "
         f"tokens, {summary['nonconstant_reward_groups']} groups with signal, {summary['frac_truncated']:.1%} "
-        f"truncated at max_tokens {cfg.max_tokens}, {summary['frac_no_answer']:.1%} without an answer) in "
+        f"truncated at max_tokens {samp.max_tokens}, {summary['frac_no_answer']:.1%} without an answer) in "
         f"{summary['sampling_seconds']:.0f}s; elapsed {state.elapsed():.0f}s / {state.cap_seconds:.0f}s"
     )
-    mbs = list(frozen.split_minibatches(cfg.minibatches_per_epoch))
+    mbs = list(frozen.split_minibatches(sch.minibatches_per_epoch))
     state.minibatches = [mb.record() for mb in mbs]
-    sentinels = state.sentinels = SentinelTracker(frozen, cfg.sentinels_per_sign, cfg.sentinel_after_updates)
+    sentinels = state.sentinels = SentinelTracker(frozen, SENTINELS_PER_SIGN, d.recording.sentinels.after_updates)
     if 0 in sentinels.after_updates:
         sentinels.measure(tc, 0, state.elapsed())
     state.setup_seconds = state.elapsed()
     say(
-        f"[diagnostic] setup done in {state.setup_seconds:.0f}s; training {cfg.epochs} epochs x {len(mbs)} minibatches "
-        f"(cap {cfg.max_updates} updates / {state.cap_seconds:.0f}s)"
+        f"[diagnostic] setup done in {state.setup_seconds:.0f}s; training {sch.epochs} epochs x {len(mbs)} minibatches "
+        f"(cap {sch.max_optimizer_updates} updates / {state.cap_seconds:.0f}s)"
     )
     return sampled.sampler_path, frozen, mbs, sentinels
 
@@ -307,22 +313,24 @@ def run_bounded_diagnostic(
     restoring a new one. A planned stop or an error ends the service work early and is recorded in
     the run state (stop reason, errors), so the evidence keeps what was measured."""
     t0 = time.monotonic() if stage_start is None else stage_start
-    cfg = diagnostic_config(plan)
+    d, arm = plan.diagnostic, plan.diagnostic.fixed_settings.treatment.arm
     say = progress or (lambda _m: None)
-    per_archive = budget.updates_per_archive(cfg.groups_per_minibatch * cfg.group_size, cfg.max_tokens)
-    state = RunState(UpdateArchive(bundle, per_archive), t0, cfg.max_wall_seconds)
+    per_sequence = d.schedule.groups_per_minibatch * d.schedule.group_size
+    per_archive = budget.updates_per_archive(per_sequence, d.fixed_settings.sampling.max_tokens)
+    state = RunState(UpdateArchive(bundle, per_archive), t0, max_wall_seconds(d))
     elapsed = state.elapsed
-    selftest = declare(bundle, plan, cfg)
+    selftest = declare(bundle, plan)
     try:
         # Remaining run budget first (the ledger's, when one is set): never start what cannot fit. The
         # plan's wall cap is shortened to the run budget's end when that comes first.
         remaining = bundle.remaining_seconds()
-        if remaining is not None and elapsed() + remaining < cfg.max_wall_seconds:
-            cap_s = state.cap_seconds = max(0.0, elapsed() + float(remaining))
-            if cfg.max_wall_seconds - cap_s > 1.0:  # the same clock within rounding says nothing new
+        if remaining is not None and elapsed() + remaining < state.cap_seconds:
+            plan_cap, cap_s = state.cap_seconds, max(0.0, elapsed() + float(remaining))
+            state.cap_seconds = cap_s
+            if plan_cap - cap_s > 1.0:  # the same clock within rounding says nothing new
                 say(
                     f"[diagnostic] the run budget ends {cap_s:.0f}s after the session start, before the "
-                    f"{cfg.max_wall_seconds:.0f}s cap: stopping there"
+                    f"{plan_cap:.0f}s cap: stopping there"
                 )
         if elapsed() >= state.cap_seconds:
             raise _Stop("wall cap exhausted before service work")
@@ -342,8 +350,8 @@ def run_bounded_diagnostic(
         )
         if elapsed() >= state.cap_seconds:
             raise _Stop("wall cap exhausted during setup (after restore)")
-        sampler_path, frozen, mbs, sentinels = _freeze_and_split(tc, cfg, bundle, state, say)
-        state.stop_reason = _train_epochs(tc, cfg, plan, frozen, mbs, sentinels, sampler_path, bundle, state, say)
+        sampler_path, frozen, mbs, sentinels = _freeze_and_split(tc, d, bundle, state, say)
+        state.stop_reason = _train_epochs(tc, plan, frozen, mbs, sentinels, sampler_path, bundle, state, say)
         if state.updates_done:  # the final state saved and its URI recorded (a claim cites the checkpoint)
             try:
                 uri = tc.save_state(f"diagnostic-final-u{state.updates_done:02d}").result().path
@@ -351,7 +359,7 @@ def run_bounded_diagnostic(
                 state.errors.append(f"final checkpoint not saved: {type(exc).__name__}: {exc}")
             else:
                 state.final_checkpoint = uri
-                bundle.add_checkpoint(cfg.arm, state.updates_done, uri)
+                bundle.add_checkpoint(arm, state.updates_done, uri)
                 say(f"[diagnostic] final checkpoint after update {state.updates_done}: {uri}")
     except _Stop as stop:
         state.stop_reason = str(stop)
@@ -366,12 +374,11 @@ def run_bounded_diagnostic(
         state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
     state.wall_seconds = elapsed()
     say(f"[diagnostic] stopped: {state.stop_reason}; {state.updates_done} updates in {state.wall_seconds:.0f}s")
-    return write_evidence(bundle, plan, cfg, state, selftest, backend, spec, prior_service_work)
+    return write_evidence(bundle, plan, state, selftest, backend, spec, prior_service_work)
 
 
 def _train_epochs(
     tc: tinker.TrainingClient,
-    cfg: DiagnosticConfig,
     plan: Plan,
     frozen: FrozenBatch,
     mbs: Sequence[Minibatch],
@@ -384,20 +391,21 @@ def _train_epochs(
     """Epochs over the same frozen batch (no sampling, no anchor refresh), one recorded update per
     minibatch, until the update cap, the wall cap, the schedule's end or an optimizer mismatch;
     returns the stop reason."""
-    loss_cfg = cfg.loss_config()
-    loss_fn, recorder, adam = (
+    d = plan.diagnostic
+    loss_cfg, epochs, max_updates = loss_config(d), d.schedule.epochs, d.schedule.max_optimizer_updates
+    loss_fn, recorder, adam_params = (
         losses.make_loss_fn(loss_cfg),
         ins.LossCallRecorder(loss_cfg),
-        tinker.AdamParams(**cfg.adam),
+        tinker.AdamParams(**adam(d)),
     )
     elapsed, cap_s, clock = state.elapsed, state.cap_seconds, time.monotonic
     last_update_s = 0.0
     tokens_seen = 0
     stop = None
-    for epoch, mb in [(e, mb) for e in range(1, cfg.epochs + 1) for mb in mbs]:
+    for epoch, mb in [(e, mb) for e in range(1, epochs + 1) for mb in mbs]:
         # The update cap, or the wall cap when one more update (as long as the last) and writing
         # the analysis would pass it.
-        if state.updates_done >= cfg.max_updates:
+        if state.updates_done >= max_updates:
             stop = "update cap reached"
             break
         if elapsed() + last_update_s + FINALIZE_RESERVE_S > cap_s:
@@ -431,7 +439,7 @@ def _train_epochs(
         # A due sentinel forward is submitted right behind the optimizer step (it reads the updated
         # weights) and awaited after the next update's submission (one round trip less per update).
         rec, upd = train_step.train_step(
-            tc, datums, loss_fn, adam, recorder, context, persist=persist,
+            tc, datums, loss_fn, adam_params, recorder, context, persist=persist,
             submit_behind=partial(tc.forward, list(sentinels.datums), "cross_entropy") if due else None,
         )  # fmt: skip
         t_collect = clock()
@@ -443,7 +451,7 @@ def _train_epochs(
             state.first_optim = upd.optim
         state.updates_done = update_index
         # The trained client's own optimizer echo, checked before update 2: a mismatch stops the run.
-        check = own_optimizer_check(cfg, plan, state) if update_index == 1 else None
+        check = own_optimizer_check(plan, state) if update_index == 1 else None
         if check and check["mismatches"]:
             stop = "optimizer mismatch after update 1: " + "; ".join(check["mismatches"])
             state.errors.append(stop)
@@ -451,11 +459,11 @@ def _train_epochs(
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)
         t_snapshot = clock()
-        post_progress(bundle, cfg, state)
+        post_progress(bundle, max_updates, state)
         state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
         s = rec.stats
         say(
-            f"[diagnostic] update {update_index}/{cfg.max_updates} (epoch {epoch}, minibatch {mb.index}): "
+            f"[diagnostic] update {update_index}/{max_updates} (epoch {epoch}, minibatch {mb.index}): "
             f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
             f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
             f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
@@ -466,4 +474,4 @@ def _train_epochs(
     sentinels.collect()
     if stop is not None:
         return stop
-    return "schedule complete" if state.updates_done < cfg.max_updates else "update cap reached"
+    return "schedule complete" if state.updates_done < max_updates else "update cap reached"

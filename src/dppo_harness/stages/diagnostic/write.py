@@ -12,6 +12,7 @@ import contextlib
 import io
 import json
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +27,7 @@ from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, pool_calls
-from dppo_harness.json_types import JsonObject, as_object, as_value
+from dppo_harness.json_types import JsonObject, as_value
 from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
 from dppo_harness.stages.diagnostic.classification import (
     Classification,
@@ -36,16 +37,18 @@ from dppo_harness.stages.diagnostic.classification import (
     classify,
     deterministic_selftest,
     evaluate_criteria,
+    next_action,
     pinned_variant_problems,
     trainer_moved,
 )
-from dppo_harness.stages.diagnostic.conclusion import compose_summary, for_planned_model, next_action
 from dppo_harness.stages.diagnostic.config import (
     BASIS_FOR_REFERENCES,
     FINALIZE_RESERVE_S,
     FIXES,
     LOOP_LABEL,
-    DiagnosticConfig,
+    adam,
+    config_record,
+    loss_config,
 )
 from dppo_harness.train.clients import dump_response
 from dppo_harness.train.optimizer_checks import OptimizerCheck, echoed_config, optimizer_check, own_response_only
@@ -91,7 +94,7 @@ class DiagnosticResultFields(TypedDict):
 
 @dataclass(frozen=True)
 class DiagnosticResult:
-    config: DiagnosticConfig
+    plan: BoundedDiagnostic
     state: RunState  # what the run measured, however early it stopped
     sentinels: SentinelSummary
     pooled: dict[str, Any] | None  # instrumentation.pool_calls of the second-epoch calls
@@ -104,7 +107,7 @@ class DiagnosticResult:
     @property
     def result_fields(self) -> DiagnosticResultFields:
         """What this stage contributes to result.json (numbers only under metrics)."""
-        c = self.classification
+        c, sch = self.classification, self.plan.schedule
         metrics: dict[str, float] = {
             "diagnostic/updates_done": float(self.state.updates_done),
             "diagnostic/wall_seconds": float(self.state.wall_seconds),
@@ -137,24 +140,28 @@ class DiagnosticResult:
         if y := self.state.rollout_yield:  # the frozen batch's truncation and answer yield
             metrics |= {f"diagnostic/rollout_{k}": float(y[k]) for k in ("truncated_frac", "no_answer_frac")}
             metrics["diagnostic/rollout_mean_response_tokens"] = float(y["mean_response_tokens"])
-        summary = compose_summary(
-            served=self.served,
-            updates_done=self.state.updates_done,
-            max_updates=self.config.max_updates,
-            groups=self.config.groups_per_batch,
-            group_size=self.config.group_size,
-            wall_seconds=self.state.wall_seconds,
-            state=c.state,
-            cause=c.cause,
-            active=c.active,
-            next_action=str(self.next_action.get("action", "review the frozen revised comparison spec (not executed)")),
+        # Two plain sentences: what ran (naming the stand-in when one served) and what it showed,
+        # with the next action. Details live in report.md.
+        served, name = self.served, self.served.served or "a model the service did not name"
+        model = f"the stand-in {name} (not {served.planned})" if served.rehearsal else name
+        action = str(self.next_action.get("action", "review the frozen revised comparison spec (not executed)"))
+        shown = "the mask engaged" if c.active else f"the measured state was {c.state}"
+        sentences = (
+            f"A bounded DPPO diagnostic trained {model} for {self.state.updates_done} of {sch.max_optimizer_updates} "
+            f"updates on one frozen {sch.groups_per_batch}x{sch.group_size} GSM8K batch in {self.state.wall_seconds:.0f} s",
+            f"On the stand-in {shown}, so for {served.planned} the cause is {c.cause or 'none'} "
+            f"and the next action is to {action.split(':')[0]}"
+            if served.rehearsal
+            else f"Pooled over the second epoch {shown} (cause {c.cause or 'none'}); next: {action.split(':')[0]}",
         )
+        # No inner sentence ends: a summary sentence must stay one sentence.
+        summary = ". ".join(re.sub(r"[.!?](?=\s)", ",", x).rstrip(".!? ") for x in sentences) + "."
         calibration: JsonObject = {
             "values": {cr.id: (as_value(cr.value) if cr.value is not None else "missing") for cr in self.criteria},
             "note": (
                 f"bounded diagnostic, not the original gate: {self.state.updates_done} updates over one frozen batch "
-                f"({self.config.epochs} epochs x {self.config.minibatches_per_epoch} minibatches of "
-                f"{self.config.groups_per_minibatch} groups), values pooled over all second-epoch loss calls by "
+                f"({sch.epochs} epochs x {sch.minibatches_per_epoch} minibatches of "
+                f"{sch.groups_per_minibatch} groups), values pooled over all second-epoch loss calls by "
                 f"loss-token counts; state {c.state}"
             ),
             "evidence_ref": ANALYSIS_FILE,
@@ -176,7 +183,7 @@ class DiagnosticResult:
             {
                 "kind": "bounded_diagnostic_analysis",
                 "loop": LOOP_LABEL,
-                "config": asdict(self.config),
+                "config": config_record(self.plan),
                 "updates_done": st.updates_done,
                 "stop_reason": st.stop_reason,
                 "wall_seconds": self.state.wall_seconds,
@@ -193,7 +200,7 @@ class DiagnosticResult:
                 "fixes": list(FIXES),
                 "sentinels": self.sentinels,
                 "errors": st.errors,
-                "hist_bins": hist_bin_labels(magnitude_edges(self.config.delta)),
+                "hist_bins": hist_bin_labels(magnitude_edges(float(self.plan.fixed_settings.treatment.delta))),
                 "timings": {  # where the stage's seconds went, on the budget ledger's clock
                     "restore_seconds": st.restore_seconds,
                     "sampling_seconds": st.sampling_seconds,
@@ -214,7 +221,6 @@ class DiagnosticResult:
 
 
 def analyse(
-    cfg: DiagnosticConfig,
     plan: Plan,
     state: RunState,
     selftest: SelftestReport,
@@ -224,10 +230,11 @@ def analyse(
 ) -> DiagnosticResult:
     """The fixed analysis: ALL second-epoch loss calls pooled by loss tokens (no selection),
     the plan's criteria, integrity re-checks, and the classification."""
-    loss_cfg, records = cfg.loss_config(), state.records
+    d, records = plan.diagnostic, state.records
+    loss_cfg = loss_config(d)
     second_epoch = [r for r in records if r.context.get("epoch") == 2]
     pooled = pool_calls([ins.record_terms(r) for r in second_epoch]) if second_epoch else None
-    planned = plan.diagnostic.analysis.criteria
+    planned = d.analysis.criteria
     # Without a second-epoch loss call each criterion is reported missing (and failing), not left out.
     criteria = (
         evaluate_criteria(planned, pooled)
@@ -243,7 +250,9 @@ def analyse(
         for r in records
         for problem in replay.check_record(r, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps).problems
     ]
-    variant = pinned_variant_problems(cfg) + anchor_problems(records, state.frozen_by_call, trainer_moved(sentinels))
+    variant = pinned_variant_problems(loss_cfg) + anchor_problems(
+        records, state.frozen_by_call, trainer_moved(sentinels)
+    )
     classification = classify(
         criteria=criteria,
         pooled=pooled,
@@ -254,23 +263,17 @@ def analyse(
         updates_done=state.updates_done,
         second_epoch_calls=len(second_epoch),
         stop_reason=state.stop_reason,
-        delta=cfg.delta,
-        updates_planned=cfg.max_updates,
-        minibatches_per_epoch=cfg.minibatches_per_epoch,
+        delta=loss_cfg.dppo_delta,
+        updates_planned=d.schedule.max_optimizer_updates,
+        minibatches_per_epoch=d.schedule.minibatches_per_epoch,
         errors=state.errors,
+        served=served,
     )
-    classification = for_planned_model(classification, served)
-    measured: JsonObject = {  # what the run measured, as the next action cites it
-        "state": classification.state,
-        "measured_cause": classification.measured_cause,
-        "mask_fired": classification.mask_fired,
-        "updates_done": state.updates_done,
-    }
-    action = next_action(classification, cfg, spec, plan.diagnostic.plan_id, served, measured)
-    return DiagnosticResult(cfg, state, sentinels, pooled, criteria, classification, selftest, action, served)
+    action = next_action(classification, d, spec, served, state.updates_done)
+    return DiagnosticResult(d, state, sentinels, pooled, criteria, classification, selftest, action, served)
 
 
-def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig) -> SelftestReport:
+def declare(bundle: EvidenceBundle, plan: Plan) -> SelftestReport:
     """Before any service work (the session registered the revised spec): deviations, unavailable references, self-test."""
     for dev in plan.diagnostic.deviations:
         bundle.add_deviation(dev.field, dev.original, dev.effective, dev.reason)
@@ -289,7 +292,7 @@ def declare(bundle: EvidenceBundle, plan: Plan, cfg: DiagnosticConfig) -> Selfte
     gate_report = "gate-report.json" if bundle.entry("gate-report.json") else None
     bundle.register_json(ORIGINAL_GATE_REPORT_FILE, "report", original_gate_report(plan.diagnostic, gate_report))
     bundle.update_result(original_hypothesis_tested=False, tested_instead=plan.diagnostic.tested_instead)
-    selftest = deterministic_selftest(loss_cfg=cfg.loss_config())
+    selftest = deterministic_selftest(loss_cfg=loss_config(plan.diagnostic))
     bundle.register_json(SELFTEST_FILE, "report", ins.nan_free(selftest))
     return selftest
 
@@ -301,7 +304,7 @@ def register_frozen_batch(bundle: EvidenceBundle, frozen: FrozenBatch) -> None:
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
 
 
-def post_progress(bundle: EvidenceBundle, cfg: DiagnosticConfig, state: RunState) -> None:
+def post_progress(bundle: EvidenceBundle, max_updates: int, state: RunState) -> None:
     """Every SNAPSHOT_EVERY_UPDATES updates, the counts posted while running (a killed run keeps
     its numbers) and a snapshot of the bundle."""
     n = state.updates_done
@@ -309,18 +312,18 @@ def post_progress(bundle: EvidenceBundle, cfg: DiagnosticConfig, state: RunState
         return
     bundle.update_result(metrics={"diagnostic/updates_done": float(n), "diagnostic/elapsed_seconds": state.elapsed()})
     # the last planned update's snapshot is the stage-end one, posted after the analysis
-    name = post_snapshot(bundle, f"diagnostic after update {n}") if n < cfg.max_updates else None
+    name = post_snapshot(bundle, f"diagnostic after update {n}") if n < max_updates else None
     if name:
         state.snapshots.append(name)
 
 
-def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> OptimizerCheck | None:
+def own_optimizer_check(plan: Plan, state: RunState) -> OptimizerCheck | None:
     """The optimizer check from the trained client's OWN first optim_step response (its metrics
     are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
     before update 1."""
     if state.first_optim is None:
         return None
-    requested = dict(cfg.adam)
+    requested = adam(plan.diagnostic)
     return optimizer_check(
         after_restore=0,
         requested_optimizer=plan.diagnostic.fixed_settings.optimizer.name,
@@ -336,7 +339,6 @@ def own_optimizer_check(cfg: DiagnosticConfig, plan: Plan, state: RunState) -> O
 def write_evidence(
     bundle: EvidenceBundle,
     plan: Plan,
-    cfg: DiagnosticConfig,
     state: RunState,
     selftest: SelftestReport,
     backend: str,
@@ -350,7 +352,7 @@ def write_evidence(
     sentinels = state.sentinels.summary() if state.sentinels is not None else no_sentinels
     info = state.restore.get("get_info")  # the served model as the trained client's own get_info names it
     served = ServedModel(plan.planned_model, served_name(info if isinstance(info, dict) else None))
-    result = analyse(cfg, plan, state, selftest, sentinels, served, spec)
+    result = analyse(plan, state, selftest, sentinels, served, spec)
     if state.sentinels is not None and state.sentinels.points:
         bundle.register_json(SENTINEL_FILE, "metrics", ins.nan_free(state.sentinels.evidence()))
     effective = (
@@ -365,17 +367,18 @@ def write_evidence(
     bundle.register_json(NEXT_ACTION_FILE, "report", ins.nan_free(result.next_action))
     # The trained arm's provenance: the optimizer check from ITS OWN first optim_step response, its
     # own initial output, and one more restore when the diagnostic restored it itself.
-    prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(cfg.arm)
+    arm = plan.diagnostic.fixed_settings.treatment.arm
+    prior = (bundle.result.get("initialization_provenance") or {}).get("arms", {}).get(arm)
     if prior and state.initial_output is not None:
         entry = trained_client_entry(
             prior,
             restore=state.restore,
             initial_output=state.initial_output,
-            own_check=own_optimizer_check(cfg, plan, state),
+            own_check=own_optimizer_check(plan, state),
             restore_ref=f"{ANALYSIS_FILE}#restore",
             new_restore=not state.preloaded,
         )
-        bundle.update_result(initialization_provenance={"arms": {cfg.arm: entry}})
+        bundle.update_result(initialization_provenance={"arms": {arm: entry}})
     # Declared vs executed service work: the requester allowed only the declared updates and batches.
     executed = {k: dict(v) for k, v in (prior_service_work or {}).items()}
     executed["bounded_diagnostic"] = {
@@ -386,7 +389,7 @@ def write_evidence(
     bundle.register_json(SERVICE_WORK_FILE, "report", ledger)
     if state.update_seconds:  # feasibility from the diagnostic's own measured setup: the plan forbids a pilot
         endpoint = spec.primary_endpoint if spec is not None else "none in this diagnostic"
-        bundle.update_result(feasibility=diagnostic_feasibility(cfg, state, effective, endpoint))
+        bundle.update_result(feasibility=diagnostic_feasibility(plan.diagnostic, state, effective, endpoint))
     if state.records:  # the replay output itself: a reviewer reads it without rerunning replay
         buf = io.StringIO()  # `python -m dppo_harness.instrument.replay` on the bundle, run in-process
         with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
@@ -465,7 +468,7 @@ def service_work_ledger(sw: ServiceWork | None, executed: Mapping[str, Mapping[s
 
 
 def diagnostic_feasibility(
-    cfg: DiagnosticConfig, state: RunState, effective_config: Mapping[str, JsonValue], primary_endpoint: str
+    d: BoundedDiagnostic, state: RunState, effective_config: Mapping[str, JsonValue], primary_endpoint: str
 ) -> JsonObject:
     """result.json's feasibility block from the diagnostic's own measured schedule: setup (restore),
     training (the one sampling batch + every update), no evaluation (forbidden in this launch)."""
@@ -474,11 +477,11 @@ def diagnostic_feasibility(
         return {"seconds": float(seconds), "units": units, "planned_units": planned, "samples": samples} | NO_GPU
 
     updates = state.update_seconds
-    per_update = state.sampled_sequences / max(1, cfg.minibatches_per_epoch)
+    per_update = state.sampled_sequences / max(1, d.schedule.minibatches_per_epoch)
     trained = int(state.sampled_sequences + per_update * len(updates))
-    training = phase(state.sampling_seconds + sum(updates), len(updates), cfg.max_updates, trained)
+    training = phase(state.sampling_seconds + sum(updates), len(updates), d.schedule.max_optimizer_updates, trained)
     return {
-        "config": as_object(asdict(cfg)),
+        "config": config_record(d),
         "effective_config": dict(effective_config),
         "primary_endpoint": primary_endpoint,
         "source": FEASIBILITY_SOURCE,
