@@ -154,7 +154,7 @@ def test_evaluate_rows_keep_invalid_outputs(bundle, evaluator):
         "evaluator_id": evaluator.evaluator_id,
     }
     obj = evaluation.evaluation_object(
-        [evaluator],
+        evaluator,
         [res.score("predictions-grpo.jsonl")],
         [{"metric": "accuracy", "arms": ["grpo_seed0", "dppo_seed0"]}],
     )
@@ -167,19 +167,6 @@ def test_evaluate_rows_keep_invalid_outputs(bundle, evaluator):
         "seed": 0,
         "predictions_ref": "predictions-grpo.jsonl",
     }
-    dec = evaluation.decision_object("scored-observations.jsonl", obs)
-    assert dec["observations_file"]["sha256"] == hashlib.sha256(obs).hexdigest()
-
-
-def test_observations_refuse_mixed_evaluators(bundle, evaluator):
-    a = evaluation.EvalResult(
-        "a", 0, "c", "x" * 64, ({"item_id": "i", "arm": "a", "seed": 0, "value": 1, "evaluator_id": "x" * 64},), 0.0
-    )
-    b = evaluation.EvalResult(
-        "b", 0, "c", "y" * 64, ({"item_id": "i", "arm": "b", "seed": 0, "value": 1, "evaluator_id": "y" * 64},), 0.0
-    )
-    with pytest.raises(evaluation.EvaluatorChangedError, match="mix evaluators"):
-        evaluation.observations_jsonl([a, b])
 
 
 def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(bundle, evaluator):

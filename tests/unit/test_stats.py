@@ -117,9 +117,6 @@ def test_cli_prints_json_and_refuses_bad_files(tmp_path):
         assert p.returncode == 2 and message in p.stderr and p.stdout == "", (name, p.stderr)
     p = _cli("paired-hoeffding", tmp_path / "missing.jsonl", "--treatment", "dppo", "--baseline", "grpo")
     assert p.returncode == 2 and "error:" in p.stderr
-    array = tmp_path / "array.json"
-    array.write_text(json.dumps({"observations": rows}))
-    assert json.loads(_cli("paired-hoeffding", array, "--treatment", "dppo", "--baseline", "grpo").stdout)["n"] == 1319
 
 
 def test_pair_observations_is_a_record_in_key_order():

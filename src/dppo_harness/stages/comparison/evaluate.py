@@ -131,7 +131,7 @@ def evaluate_and_decide(
         scores.append(res.score(name))
         files.append(name)
         bundle.update_result(
-            evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
+            evaluation=evaluation.evaluation_object(evaluator, scores, comparisons),
             metrics={f"eval/accuracy/{s['arm']}": float(num(s["value"])) for s in scores},
         )
         bundle.post_arm_metrics(arm, res.arm_metrics(max_tokens))
