@@ -172,7 +172,7 @@ def test_evaluate_rows_keep_invalid_outputs(bundle, evaluator):
 def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(bundle, evaluator):
     """Each answer takes 8 s of a fake clock: a line at the first answer, then whenever 15 s passed
     since the last one, and at the last answer, each naming how many items are answered."""
-    from dppo_harness.stages.comparison.evaluate import items_progress
+    from dppo_harness.evidence.progress import Ticker
 
     now = {"t": 0.0}
 
@@ -192,6 +192,7 @@ def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(b
     lines, at = [], []
     say = lambda m: (lines.append(m), at.append(now["t"]))  # noqa: E731
     sampler = Slow(bundle, [it.reference for it in evaluator.items])
+    ticker = Ticker(say, "[comparison] evaluating dppo_seed0", total=4, every_s=15.0, clock=lambda: now["t"])
     evaluation.evaluate(
         sampler,
         evaluator,
@@ -199,7 +200,7 @@ def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(b
         seed=0,
         checkpoint="tinker://m/final",
         max_in_flight=2,
-        on_item=items_progress(say, "dppo_seed0", 4, every_s=15.0, clock=lambda: now["t"]),
+        on_item=lambda k: ticker.tick(k, "items answered"),
     )
     assert lines[0].startswith("[comparison] evaluating dppo_seed0: 1/4 (25%), items answered")
     assert lines[1].startswith("[comparison] evaluating dppo_seed0: 3/4 (75%), items answered (24s)")

@@ -287,10 +287,10 @@ def evaluate(
     seed: int,
     checkpoint: str,
     max_in_flight: int = 256,
-    on_item: Callable[[int, int], None] | None = None,
+    on_item: Callable[[int], None] | None = None,
 ) -> EvalResult:
     """Greedy-decode every item, grade, and return one row per item (invalid outputs score 0).
-    `on_item(done, total)` after each answer received, so a caller can say how far it is."""
+    `on_item(done)` after each answer received, so a caller can say how far it is."""
     if not arm or not checkpoint:
         raise ValueError("arm and checkpoint must be named")
     evaluator.check_unchanged()
@@ -312,7 +312,7 @@ def evaluate(
         responses[j] = fut.result()
         done += 1
         if on_item is not None:
-            on_item(done, len(prompts))
+            on_item(done)
 
     for i, ob in enumerate(prompts):
         pending.append((i, sampling_client.sample(ob, 1, params)))
@@ -353,7 +353,9 @@ def observations_jsonl(results: Sequence[EvalResult]) -> bytes:
     """Scored observations of several arms (the decision's ``observations_file``; the pairing
     refuses rows of two evaluators)."""
     keys = ("item_id", "arm", "seed", "metric", "value", "evaluator_id")
-    return "".join(canonical_json({k: r[k] for k in keys}) + "\n" for res in results for r in res.rows).encode()
+    return "".join(
+        canonical_json({k: as_object(r)[k] for k in keys}) + "\n" for res in results for r in res.rows
+    ).encode()
 
 
 def evaluation_object(

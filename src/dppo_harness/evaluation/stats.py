@@ -134,10 +134,6 @@ class PairedObservations:
     evaluator_id: str
     seeds: list[JsonValue]
 
-    def values(self, arm: str) -> list[JsonValue]:
-        """The values of ``"treatment"`` or ``"baseline"``."""
-        return self.treatment if arm == "treatment" else self.baseline
-
 
 def pair_observations(
     rows: Iterable[Mapping[str, JsonValue]], treatment: str, baseline: str, metric: str = "accuracy"
@@ -294,8 +290,8 @@ def paired_binary_informational(
     """The informational interval beside the decision: discordant pairs, Newcombe's paired interval
     for treatment minus baseline accuracy and the exact McNemar p-value. Values must be 0 or 1."""
     paired = pair_observations(rows, treatment, baseline, metric)
-    for arm in ("treatment", "baseline"):
-        for k, v in zip(paired.keys, paired.values(arm)):
+    for arm, values in (("treatment", paired.treatment), ("baseline", paired.baseline)):
+        for k, v in zip(paired.keys, values):
             if isinstance(v, bool) or v not in (0, 1):
                 raise ObservationError(
                     f"{arm} item {k[0]!r}: value {v!r} is not 0 or 1 (a paired proportion needs binary scores)"

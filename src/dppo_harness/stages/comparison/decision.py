@@ -9,7 +9,6 @@ import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import JsonValue
@@ -177,9 +176,3 @@ def decide(
             metrics[f"comparison/{c.id}/difference"] = float(c.interval["mean_difference"])
             metrics[f"comparison/{c.id}/ci_lower"], metrics[f"comparison/{c.id}/ci_upper"] = c.lower, c.upper
     return block, metrics
-
-
-def recompute_from_file(path: Path, criteria: Sequence[CriterionConfig], *, alpha: float) -> list[JsonObject]:
-    """The intervals recomputed from a retained observations file (the reproducibility check)."""
-    rows = stats.read_observations(path)
-    return [c.interval for c in decide_criteria(rows, criteria, alpha=alpha)]
