@@ -12,7 +12,7 @@ import pytest
 
 from dppo_harness.evaluation import stats
 from dppo_harness.loss import loss_registry
-from dppo_harness.stages.comparison.decision import OBSERVATIONS_FILE, recompute_from_file
+from dppo_harness.stages.comparison.decision import OBSERVATIONS_FILE, decide_criteria
 from dppo_harness.stages.comparison.evaluate import BASE_ARM
 from dppo_harness.stages.comparison.step_rows import fraction_names
 
@@ -122,9 +122,9 @@ def test_predictions_observations_and_decision_are_consistent(comparison_run, ev
     assert decision["version"] == 1 and decision["observations_file"]["name"] == OBSERVATIONS_FILE
     assert decision["observations_file"]["sha256"] == evidence_bundle.entry(OBSERVATIONS_FILE)["sha256"]
     # Recomputing the Hoeffding CI from the retained file reproduces the reported one.
-    again = recompute_from_file(obs_path, plan.run.criteria, alpha=plan.run.alpha)
+    again = decide_criteria(obs, plan.run.criteria, alpha=plan.run.alpha)
     for reported, recomputed in zip(decision["criteria"], again, strict=True):
-        assert (reported["lower"], reported["upper"]) == (recomputed["lower"], recomputed["upper"])
+        assert (reported["lower"], reported["upper"]) == (recomputed.lower, recomputed.upper)
     if plan.kind == "rehearsal":
         assert run.final["verdict"] == "inconclusive" and decision["rehearsal"] is True
 

@@ -66,7 +66,7 @@ def test_small_greedy_evaluation(tmp_path, bundle, shared_random_server):
     assert decision["n"] == N_ITEMS and decision["mean_difference"] == 0.0 and decision["verdict"] == "inconclusive"
     assert decision["evaluator_id"] == evaluator.evaluator_id
     obj = evaluation.evaluation_object(
-        [evaluator], [a.score("predictions-grpo.jsonl"), b.score("predictions-dppo.jsonl")]
+        evaluator, [a.score("predictions-grpo.jsonl"), b.score("predictions-dppo.jsonl")]
     )
     json.dumps(obj, allow_nan=False)
     assert list(obj["evaluators"]) == [evaluator.evaluator_id]

@@ -154,7 +154,7 @@ def test_evaluate_rows_keep_invalid_outputs(bundle, evaluator):
         "evaluator_id": evaluator.evaluator_id,
     }
     obj = evaluation.evaluation_object(
-        [evaluator],
+        evaluator,
         [res.score("predictions-grpo.jsonl")],
         [{"metric": "accuracy", "arms": ["grpo_seed0", "dppo_seed0"]}],
     )
@@ -167,25 +167,12 @@ def test_evaluate_rows_keep_invalid_outputs(bundle, evaluator):
         "seed": 0,
         "predictions_ref": "predictions-grpo.jsonl",
     }
-    dec = evaluation.decision_object("scored-observations.jsonl", obs)
-    assert dec["observations_file"]["sha256"] == hashlib.sha256(obs).hexdigest()
-
-
-def test_observations_refuse_mixed_evaluators(bundle, evaluator):
-    a = evaluation.EvalResult(
-        "a", 0, "c", "x" * 64, ({"item_id": "i", "arm": "a", "seed": 0, "value": 1, "evaluator_id": "x" * 64},), 0.0
-    )
-    b = evaluation.EvalResult(
-        "b", 0, "c", "y" * 64, ({"item_id": "i", "arm": "b", "seed": 0, "value": 1, "evaluator_id": "y" * 64},), 0.0
-    )
-    with pytest.raises(evaluation.EvaluatorChangedError, match="mix evaluators"):
-        evaluation.observations_jsonl([a, b])
 
 
 def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(bundle, evaluator):
     """Each answer takes 8 s of a fake clock: a line at the first answer, then whenever 15 s passed
     since the last one, and at the last answer, each naming how many items are answered."""
-    from dppo_harness.stages.comparison.evaluate import items_progress
+    from dppo_harness.evidence.progress import Ticker
 
     now = {"t": 0.0}
 
@@ -205,6 +192,7 @@ def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(b
     lines, at = [], []
     say = lambda m: (lines.append(m), at.append(now["t"]))  # noqa: E731
     sampler = Slow(bundle, [it.reference for it in evaluator.items])
+    ticker = Ticker(say, "[comparison] evaluating dppo_seed0", total=4, every_s=15.0, clock=lambda: now["t"])
     evaluation.evaluate(
         sampler,
         evaluator,
@@ -212,7 +200,7 @@ def test_a_scored_models_evaluation_says_how_far_it_is_at_least_every_interval(b
         seed=0,
         checkpoint="tinker://m/final",
         max_in_flight=2,
-        on_item=items_progress(say, "dppo_seed0", 4, every_s=15.0, clock=lambda: now["t"]),
+        on_item=lambda k: ticker.tick(k, "items answered"),
     )
     assert lines[0].startswith("[comparison] evaluating dppo_seed0: 1/4 (25%), items answered")
     assert lines[1].startswith("[comparison] evaluating dppo_seed0: 3/4 (75%), items answered (24s)")

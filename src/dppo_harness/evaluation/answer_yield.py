@@ -64,10 +64,6 @@ def response_yield(
     n = len(stop_reasons)
     if n == 0:
         raise ValueError("no responses: truncation and answer yield are undefined")
-    if not len(answers_found) == len(lengths) == n:
-        raise ValueError(
-            f"{n} stop reasons, {len(answers_found)} answer flags, {len(lengths)} lengths: not per response"
-        )
     return ResponseYield(
         n=n,
         truncated=sum(str(s) == TRUNCATED_STOP_REASON for s in stop_reasons),

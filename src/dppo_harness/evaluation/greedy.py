@@ -268,19 +268,6 @@ class EvalResult:
     def predictions_jsonl(self) -> bytes:
         return "".join(canonical_json(as_object(r)) + "\n" for r in self.rows).encode("utf-8")
 
-    def observations(self) -> list[JsonObject]:
-        return [
-            {
-                "item_id": r["item_id"],
-                "arm": r["arm"],
-                "seed": r["seed"],
-                "metric": METRIC,
-                "value": r["value"],
-                "evaluator_id": r["evaluator_id"],
-            }
-            for r in self.rows
-        ]
-
     def score(self, predictions_ref: str) -> JsonObject:
         return {
             "arm": self.arm,
@@ -300,10 +287,10 @@ def evaluate(
     seed: int,
     checkpoint: str,
     max_in_flight: int = 256,
-    on_item: Callable[[int, int], None] | None = None,
+    on_item: Callable[[int], None] | None = None,
 ) -> EvalResult:
     """Greedy-decode every item, grade, and return one row per item (invalid outputs score 0).
-    `on_item(done, total)` after each answer received, so a caller can say how far it is."""
+    `on_item(done)` after each answer received, so a caller can say how far it is."""
     if not arm or not checkpoint:
         raise ValueError("arm and checkpoint must be named")
     evaluator.check_unchanged()
@@ -325,7 +312,7 @@ def evaluate(
         responses[j] = fut.result()
         done += 1
         if on_item is not None:
-            on_item(done, len(prompts))
+            on_item(done)
 
     for i, ob in enumerate(prompts):
         pending.append((i, sampling_client.sample(ob, 1, params)))
@@ -363,30 +350,21 @@ def evaluate(
 
 
 def observations_jsonl(results: Sequence[EvalResult]) -> bytes:
-    """Scored observations of several arms (the decision's ``observations_file``)."""
-    ids = {r.evaluator_id for r in results}
-    if len(ids) != 1:
-        raise EvaluatorChangedError(f"observations mix evaluators {sorted(ids)}; compare arms under one evaluator")
-    return "".join(canonical_json(o) + "\n" for r in results for o in r.observations()).encode("utf-8")
+    """Scored observations of several arms (the decision's ``observations_file``; the pairing
+    refuses rows of two evaluators)."""
+    keys = ("item_id", "arm", "seed", "metric", "value", "evaluator_id")
+    return "".join(
+        canonical_json({k: as_object(r)[k] for k in keys}) + "\n" for res in results for r in res.rows
+    ).encode()
 
 
 def evaluation_object(
-    evaluators: Sequence[FrozenEvaluator],
-    scores: Sequence[JsonObject],
-    comparisons: Sequence[JsonObject] = (),
+    evaluator: FrozenEvaluator, scores: Sequence[JsonObject], comparisons: Sequence[JsonObject] = ()
 ) -> JsonObject:
-    """The ``evaluation`` object of result.json: evaluator records by id, scores and comparisons."""
+    """The ``evaluation`` object of result.json: the evaluator's record by id, scores and comparisons."""
     return {
         "version": 1,
-        "evaluators": {ev.evaluator_id: dict(ev.provenance) for ev in evaluators},  # the provenance each id hashes
+        "evaluators": {evaluator.evaluator_id: dict(evaluator.provenance)},  # the provenance its id hashes
         "scores": list(scores),
         "comparisons": list(comparisons),
-    }
-
-
-def decision_object(observations_name: str, observations_bytes: bytes) -> JsonObject:
-    """The ``decision`` object of result.json, referencing a retained observations file by sha256."""
-    return {
-        "version": 1,
-        "observations_file": {"name": observations_name, "sha256": hashlib.sha256(observations_bytes).hexdigest()},
     }

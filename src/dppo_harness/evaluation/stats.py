@@ -54,8 +54,8 @@ def decide(lower: float, upper: float, margin: float) -> tuple[str, str]:
 
 
 def paired_hoeffding(
-    treatment: Sequence[float],
-    baseline: Sequence[float],
+    treatment: Sequence[object],
+    baseline: Sequence[object],
     *,
     alpha: float = 0.05,
     margin: float = 0.0,
@@ -67,15 +67,16 @@ def paired_hoeffding(
     lo, hi = bounds
     if not hi > lo:
         raise ObservationError(f"bounds must satisfy a < b, got {bounds}")
-    for name, values in (("treatment", treatment), ("baseline", baseline)):
-        for i, v in enumerate(values):
-            _check_value(v, bounds, f"{name}[{i}]")
-    n = len(treatment)
-    diffs = [float(t) - float(b) for t, b in zip(treatment, baseline)]
+    t_n, b_n = (
+        [_check_value(v, bounds, f"{name}[{i}]") for i, v in enumerate(vs)]
+        for name, vs in (("treatment", treatment), ("baseline", baseline))
+    )
+    n = len(t_n)
+    diffs = [float(t) - float(b) for t, b in zip(t_n, b_n)]
     value_range = 2 * (hi - lo)
     hw = hoeffding_half_width(n, alpha, value_range)
-    mean_t = math.fsum(float(t) for t in treatment) / n
-    mean_b = math.fsum(float(b) for b in baseline) / n
+    mean_t = math.fsum(t_n) / n
+    mean_b = math.fsum(b_n) / n
     mean_d = math.fsum(diffs) / n
     lower, upper = mean_d - hw, mean_d + hw
     verdict, reason = decide(lower, upper, margin)
@@ -111,21 +112,9 @@ REQUIRED_KEYS = ("item_id", "arm", "metric", "value", "evaluator_id")
 
 
 def read_observations(path: Path) -> list[JsonObject]:
-    """JSONL rows, or a JSON array, or an object with ``observations``."""
-    text = Path(path).read_text(encoding="utf-8")
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        obj = None  # not one JSON document: read as JSONL below
-    if isinstance(obj, list):
-        return obj
-    if isinstance(obj, dict) and "observations" in obj:
-        if not isinstance(obj["observations"], list):
-            raise ObservationError(f"{path}: 'observations' must be a list")
-        listed: list[JsonObject] = obj["observations"]
-        return listed
+    """The JSONL rows of a scored-observations file (blank lines skipped)."""
     rows = []
-    for lineno, line in enumerate(text.splitlines(), 1):
+    for lineno, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
         if not line.strip():
             continue
         try:
@@ -144,10 +133,6 @@ class PairedObservations:
     baseline: list[JsonValue]
     evaluator_id: str
     seeds: list[JsonValue]
-
-    def values(self, arm: str) -> list[JsonValue]:
-        """The values of ``"treatment"`` or ``"baseline"``."""
-        return self.treatment if arm == "treatment" else self.baseline
 
 
 def pair_observations(
@@ -202,11 +187,7 @@ def paired_hoeffding_from_rows(
     bounds: tuple[float, float] = (0.0, 1.0),
 ) -> JsonObject:
     paired = pair_observations(rows, treatment, baseline, metric)
-    t, b = (
-        [_check_value(v, bounds, f"{arm} item {k[0]!r} seed {k[1]!r}") for k, v in zip(paired.keys, paired.values(arm))]
-        for arm in ("treatment", "baseline")
-    )
-    out = paired_hoeffding(t, b, alpha=alpha, margin=margin, bounds=bounds)
+    out = paired_hoeffding(paired.treatment, paired.baseline, alpha=alpha, margin=margin, bounds=bounds)
     return {
         "treatment": treatment,
         "baseline": baseline,
@@ -309,8 +290,8 @@ def paired_binary_informational(
     """The informational interval beside the decision: discordant pairs, Newcombe's paired interval
     for treatment minus baseline accuracy and the exact McNemar p-value. Values must be 0 or 1."""
     paired = pair_observations(rows, treatment, baseline, metric)
-    for arm in ("treatment", "baseline"):
-        for k, v in zip(paired.keys, paired.values(arm)):
+    for arm, values in (("treatment", paired.treatment), ("baseline", paired.baseline)):
+        for k, v in zip(paired.keys, values):
             if isinstance(v, bool) or v not in (0, 1):
                 raise ObservationError(
                     f"{arm} item {k[0]!r}: value {v!r} is not 0 or 1 (a paired proportion needs binary scores)"

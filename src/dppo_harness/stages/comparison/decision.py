@@ -5,15 +5,14 @@ the decision object that references the observations file by sha256."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import JsonValue
 
-from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evaluation import stats
 from dppo_harness.json_types import JsonObject, num
 
@@ -132,7 +131,8 @@ def decision_block(
 ) -> JsonObject:
     """The evidence's decision object (version 1, observations_file) plus the computed intervals, and
     the informational interval beside them (`informational.used_for_verdict` is false)."""
-    block: JsonObject = evaluation.decision_object(OBSERVATIONS_FILE, observations_bytes)
+    sha = hashlib.sha256(observations_bytes).hexdigest()  # the retained observations file it decides on
+    block: JsonObject = {"version": 1, "observations_file": {"name": OBSERVATIONS_FILE, "sha256": sha}}
     block["method"] = "paired_hoeffding"
     block["criteria"] = [
         {"id": c.id, "metric": c.metric, "treatment": c.treatment, "baseline": c.baseline}
@@ -176,9 +176,3 @@ def decide(
             metrics[f"comparison/{c.id}/difference"] = float(c.interval["mean_difference"])
             metrics[f"comparison/{c.id}/ci_lower"], metrics[f"comparison/{c.id}/ci_upper"] = c.lower, c.upper
     return block, metrics
-
-
-def recompute_from_file(path: Path, criteria: Sequence[CriterionConfig], *, alpha: float) -> list[JsonObject]:
-    """The intervals recomputed from a retained observations file (the reproducibility check)."""
-    rows = stats.read_observations(path)
-    return [c.interval for c in decide_criteria(rows, criteria, alpha=alpha)]

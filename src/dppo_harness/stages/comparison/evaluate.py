@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING
 
 from dppo_harness.data import dataset, tokenizer
@@ -22,21 +23,17 @@ if TYPE_CHECKING:
     from dppo_harness.plans import Plan, RunConfig
 
 BASE_ARM = "base"
-EVAL_SUBSET_REASON = (
-    "declared rehearsal size: the plan evaluates its first {n} {dataset} test items (see the plan's differences)"
-)
-EVAL_SUBSET_EMBEDDED = ", a size the embedded server's stand-in evaluates on this host's CPU"
-# A spec (not a rehearsal plan) that itself asks for fewer items: its own words, no rehearsal claimed.
-EVAL_STATED_REASON = "the plan states eval.n_examples = {n}: its first {n} {dataset} test items are evaluated"
 
 
 def eval_subset_reason(plan: Plan, *, embedded: bool, n: int) -> str:
     """Why the evaluator scores a subset, in words that fit the run: a rehearsal plan's declared
     size (the CPU named only when the embedded server computes), else the spec's own n_examples."""
     assert plan.run is not None
-    if plan.kind != "rehearsal":
-        return EVAL_STATED_REASON.format(n=n, dataset=plan.run.dataset)
-    return EVAL_SUBSET_REASON.format(n=n, dataset=plan.run.dataset) + (EVAL_SUBSET_EMBEDDED if embedded else "")
+    first = f"first {n} {plan.run.dataset} test items"
+    if plan.kind != "rehearsal":  # a spec that itself asks for fewer items: its own words, no rehearsal claimed
+        return f"the plan states eval.n_examples = {n}: its {first} are evaluated"
+    cpu = ", a size the embedded server's stand-in evaluates on this host's CPU" if embedded else ""
+    return f"declared rehearsal size: the plan evaluates its {first} (see the plan's differences){cpu}"
 
 
 def frozen_evaluator(plan: Plan, bundle: EvidenceBundle, *, embedded: bool) -> evaluation.FrozenEvaluator:
@@ -56,21 +53,6 @@ def frozen_evaluator(plan: Plan, bundle: EvidenceBundle, *, embedded: bool) -> e
         d = evaluator.deviation
         bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
     return evaluator
-
-
-def items_progress(
-    progress: Callable[[str], None],
-    what: str,
-    n_items: int,
-    *,
-    every_s: float = 15.0,
-    clock: Callable[[], float] = time.monotonic,
-) -> Callable[[int, int], None]:
-    """How far one scored model's evaluation is: a line at its first answer, then whenever `every_s`
-    passed since the last line as answers arrive, and at its last (a call that blocks longer is
-    the run's watchdog's to report)."""
-    ticker = Ticker(progress, f"[comparison] evaluating {what}", total=n_items, every_s=every_s, clock=clock)
-    return lambda done, _total: ticker.tick(done, "items answered")
 
 
 def eval_line(res: evaluation.EvalResult, max_tokens: int, elapsed_s: float) -> str:
@@ -123,15 +105,15 @@ def evaluate_and_decide(
             assert path is not None  # evaluation runs once every arm saved its final sampler
             client, checkpoint, what = service_client.create_sampling_client(model_path=path), path, arm
             progress(f"[comparison] evaluating {arm} (final checkpoint) on {n} test items")
-        res = evaluation.evaluate(
-            client, evaluator, arm=arm, seed=run.seed, checkpoint=checkpoint, on_item=items_progress(progress, what, n)
-        )
+        ticker = Ticker(progress, f"[comparison] evaluating {what}", total=n, every_s=15.0)  # a line as answers come
+        on_item = partial(ticker.tick, detail="items answered")
+        res = evaluation.evaluate(client, evaluator, arm=arm, seed=run.seed, checkpoint=checkpoint, on_item=on_item)
         name = f"predictions-{arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
         bundle.register_bytes(name, "predictions", res.predictions_jsonl())
         scores.append(res.score(name))
         files.append(name)
         bundle.update_result(
-            evaluation=evaluation.evaluation_object([evaluator], scores, comparisons),
+            evaluation=evaluation.evaluation_object(evaluator, scores, comparisons),
             metrics={f"eval/accuracy/{s['arm']}": float(num(s["value"])) for s in scores},
         )
         bundle.post_arm_metrics(arm, res.arm_metrics(max_tokens))
