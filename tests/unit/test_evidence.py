@@ -484,10 +484,13 @@ def test_killed_run_leaves_a_valid_partial_bundle(tmp_path):
 
 
 def test_record_plan_before_training(bundle):
-    from dppo_harness.plans import BackendInfo, effective_config
+    from dppo_harness.evidence.backend import Backend
+    from dppo_harness.evidence.session import effective_config
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-    cfg = effective_config(plan, BackendInfo("local", "Qwen/Qwen3.5-2B", "tiny-qwen3-gsm8k"))
+    cfg = effective_config(
+        plan, Backend(kind="local", requested_model="Qwen/Qwen3.5-2B", served_model="tiny-qwen3-gsm8k")
+    )
     session.record_plan(bundle, plan, cfg, plan_name="revised-diagnostic-spec.json")
     r = bundle.result
     assert bundle.entry("revised-diagnostic-spec.json")["sha256"] == plan.sha256
@@ -622,7 +625,8 @@ def test_result_shape_errors_name_the_field(mutate, message):
 
 
 def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
-    from dppo_harness.plans import BackendInfo, effective_config
+    from dppo_harness.evidence.backend import Backend
+    from dppo_harness.evidence.session import effective_config
 
     spec = json.loads((PLANS / "exp_e6b0965af3.json").read_text())
     spec["max_seq_len"] = 2048
@@ -648,7 +652,13 @@ def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
     path.with_name("r.json.resolution.json").write_text(json.dumps(resolution))
     plan = load_plan(path)
     b = EvidenceBundle.create(tmp_path / "evidence", "reh", env={})
-    session.record_plan(b, plan, effective_config(plan, BackendInfo("tinker", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")))
+    session.record_plan(
+        b,
+        plan,
+        effective_config(
+            plan, Backend(kind="tinker", requested_model="Qwen/Qwen3.5-2B", served_model="Qwen/Qwen3.5-2B")
+        ),
+    )
     assert b.result["deviations"][0]["original"] == "max_seq_len = 1024"
     with pytest.raises(ResultShapeError, match="rehearsal plan is always 'inconclusive'"):
         b.finish("succeeded", "supported", "supported", original_hypothesis_tested=True, summary="DPPO wins.")

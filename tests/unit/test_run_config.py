@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from dppo_harness.evidence.backend import Backend
+from dppo_harness.evidence.session import effective_config
 from dppo_harness.loss.loss_registry import loss_names
-from dppo_harness.plans import BackendInfo, PlanError, effective_config, load_plan, parse_plan
+from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.stages.comparison.decision import decide_criteria, verdict
 
 REGISTERED = ", ".join(loss_names())  # whatever losses are registered
@@ -57,7 +59,9 @@ def test_saved_spec_schedule_values_carry_their_sentences():
         1319,
         "gsm8k",
     )
-    cfg = effective_config(SPEC, BackendInfo("tinker", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B"))
+    cfg = effective_config(
+        SPEC, Backend(kind="tinker", requested_model="Qwen/Qwen3.5-2B", served_model="Qwen/Qwen3.5-2B")
+    )
     prose = cfg["config"]["run"]["stated_in_prose"]
     assert prose["group_size"] == {"value": 8, "field": RESOLUTION, "source": first}
     assert cfg["config"]["max_tokens"] == 512 and cfg["config"]["run"]["temperature"] == 1.0

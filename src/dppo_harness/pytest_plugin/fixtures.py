@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import pytest
 
-from dppo_harness import plans, project
+from dppo_harness import project
 from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence.backend import SERVED_MODEL_UNAVAILABLE, Backend
 from dppo_harness.evidence.files import SERVER_DIR, STATE_ROOT
 from dppo_harness.evidence.progress import Watchdog
-from dppo_harness.evidence.session import start_session
+from dppo_harness.evidence.session import effective_config, start_session
 from dppo_harness.plans import BackendKind, Plan, load_plan
 from dppo_harness.pytest_plugin.hooks import (
     CONNECTIVITY_KEY,
@@ -306,14 +307,14 @@ def client_base_model(connectivity: ConnectivityReport, plan: Plan) -> str:
     return connectivity.client_base_model(plan.base_model)
 
 
-def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient) -> plans.BackendInfo:
-    """plans.BackendInfo from what the server reported at client creation."""
+def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient) -> Backend:
+    """The backend as the server reported it at client creation."""
     info = client.get_info()
     served = info.model_data.model_name or info.model_name  # the embedded server names its stand-in
     if not served:  # both names are optional in the SDK's GetInfoResponse: never the requested name
-        served = plans.SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
-    return plans.BackendInfo(
-        backend=service_backend.kind,
+        served = SERVED_MODEL_UNAVAILABLE + " (get_info reported neither model_data.model_name nor model_name)"
+    return Backend(
+        kind=service_backend.kind,
         requested_model=plan.base_model,
         served_model=str(served),
         sdk_versions=sdk_versions(),
@@ -378,7 +379,7 @@ def feasibility(
     arm_client = next(iter(verified_restoration.clients.values()))
     # The plan is projected at its own size on every backend: the stages run it as written. Time
     # already spent in this session is the budget ledger's business (evidence.budget_allows per stage).
-    eff = plans.effective_config(h.plan, backend_info(h.backend, h.plan, arm_client))
+    eff = effective_config(h.plan, backend_info(h.backend, h.plan, arm_client))
     from dppo_harness.stages import feasibility as feasibility_module  # lazy: see the module docstring
 
     with (
