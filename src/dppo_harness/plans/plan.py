@@ -270,7 +270,7 @@ def plan_config(plan: Plan) -> JsonObject:
             "steps": spec.steps,
             "batch_size": spec.batch_size,
             "max_seq_len": spec.max_seq_len,
-            "max_tokens": int(run.max_tokens.value),
+            "max_tokens": run.max_tokens,
             "n_eval": spec.eval.n_examples,
             "optimizer": _dump(spec.optimizer),
             "seed": run.seed,

@@ -70,13 +70,13 @@ def schedule_json(plan_kind: str, run: RunConfig) -> JsonObject:
         "plan_kind": plan_kind,
         "trained_arms": len(run.arms),
         "batches_per_arm": run.rollout_steps,
-        "groups_per_batch": int(run.groups_per_batch.value),
-        "group_size": int(run.group_size.value),
+        "groups_per_batch": run.groups_per_batch,
+        "group_size": run.group_size,
         "updates_per_batch": run.updates_per_batch,
         "sequences_per_update": sequences_per_update(run),
-        "max_tokens": int(run.max_tokens.value),
+        "max_tokens": run.max_tokens,
         "eval_items": planned_eval_items(run),
-        "temperature": float(run.temperature.value),
+        "temperature": run.temperature,
         "dataset": run.dataset,
         "arm_losses": [a.loss for a in run.arms],
         "seed": run.seed,
@@ -107,9 +107,7 @@ class PilotTimings:
     def arm_step_seconds(self, run: RunConfig) -> float:
         """One rollout batch of `run`: its groups sampled, then its updates."""
         per_group = self.sampling_seconds / self.sampled_groups
-        return per_group * int(run.groups_per_batch.value) + run.updates_per_batch * statistics.fmean(
-            self.update_seconds
-        )
+        return per_group * run.groups_per_batch + run.updates_per_batch * statistics.fmean(self.update_seconds)
 
     @property
     def seconds_per_eval_item(self) -> float | None:
@@ -287,13 +285,13 @@ def run_timing_pilot(
         if progress is not None:
             progress(f"[preflight] feasibility pilot {msg} ({time.perf_counter() - t0:.0f}s)")
 
-    group_size, max_tokens = int(run.group_size.value), int(run.max_tokens.value)
+    group_size, max_tokens = run.group_size, run.max_tokens
     say("1/4: client from the initial checkpoint")
     client = service_client.create_training_client_from_state_with_optimizer(initial_checkpoint)
     setup_s = time.perf_counter() - t0
     say(f"2/4: sampling {PILOT_GROUPS} groups x {group_size} (max_tokens {max_tokens})")
     data = dataset.get(run.dataset)
-    cfg = rollouts.RolloutConfig(PILOT_GROUPS, group_size, float(run.temperature.value), max_tokens, seed=run.seed)
+    cfg = rollouts.RolloutConfig(PILOT_GROUPS, group_size, run.temperature, max_tokens, seed=run.seed)
     items = data.load_split("train", seed=run.seed).items[:PILOT_GROUPS]
     sampled = rollouts.sample_rollout_batch(client, items, renderer, cfg, sampler_name="feasibility-pilot")
     if not sampled.datums:
@@ -400,13 +398,13 @@ def run_feasibility(
         "plan_sha256": plan.sha256,
         "initial_checkpoint": initial_checkpoint,
         "pilot_groups": PILOT_GROUPS,
-        "group_size": int(run.group_size.value),
-        "temperature": float(run.temperature.value),
-        "max_tokens": int(run.max_tokens.value),
+        "group_size": run.group_size,
+        "temperature": run.temperature,
+        "max_tokens": run.max_tokens,
         "pilot_updates": PILOT_UPDATES,
         "sequences_per_update": sequences_per_update(run),
         "pilot_eval_items": timings.eval_items,
-        "eval_decoding": {"temperature": 0.0, "max_tokens": int(run.max_tokens.value)},
+        "eval_decoding": {"temperature": 0.0, "max_tokens": run.max_tokens},
         "reserve_fraction": RESERVE_FRACTION,
         "elapsed_seconds_taken_off_budget": 0.0,  # time spent in the session is the budget ledger's
         "setup_components_seconds": dict(setup_parts),
@@ -427,7 +425,7 @@ def run_feasibility(
     failures = [p for p in proj.problems if not p.startswith("GPU-hours not projected")] if not proj.fits else []
     # For the budget ledger's per-stage check: the whole plan and the gate's pilot (its steps of
     # sampling + updates_per_batch updates), with the reserve.
-    gate_s = (timings.setup_seconds + int(run.gate_pilot_steps.value) * proj.arm_step_seconds) * (1 + RESERVE_FRACTION)
+    gate_s = (timings.setup_seconds + run.gate_pilot_steps * proj.arm_step_seconds) * (1 + RESERVE_FRACTION)
     stages = {"plan": proj.total_seconds, "gate": gate_s}
     result = FeasibilityResult(timings, proj, block, proj.fits, failures, embedded_server)
     record = {

@@ -240,7 +240,7 @@ def run_activation_gate(
     if run is None:
         raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
     treatment = pilot_arm(plan.name, run)
-    steps = int(run.gate_pilot_steps.value)
+    steps = run.gate_pilot_steps
     rollout_cfg = rollout_config(run, treatment.seed)  # every pilot step samples from the arm's seed
     loss = make_loss(treatment, run)
     recorder = loss[1]  # what the pilot measured is kept when it stops early
