@@ -131,7 +131,7 @@ def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]
             train = gsm8k.load_split("train", seed=run.seed)
             renderer = tokenizer.make_renderer().renderer
             for step in range(run.rollout_steps):  # the comparison's arm-step, arm after arm
-                items = train.batch(step, int(run.groups_per_batch.value))
+                items = train.batch(step, run.groups_per_batch)
                 for a in run.arms:
                     rows.append(
                         run_arm_step(clients[a.name], a, run, step, items, renderer, arm_losses[a.name], "reference")

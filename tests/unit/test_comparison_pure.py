@@ -37,7 +37,7 @@ REHEARSAL = load_plan(ROOT / "plans" / "rehearsal" / "comparison-local.json")
 
 
 def _sizes(run):
-    return (run.rollout_steps, run.groups_per_batch.value, run.group_size.value, run.max_tokens.value, run.eval_items)
+    return (run.rollout_steps, run.groups_per_batch, run.group_size, run.max_tokens, run.eval_items)
 
 
 def test_config_of_the_saved_spec_and_the_rehearsal():
@@ -47,7 +47,7 @@ def test_config_of_the_saved_spec_and_the_rehearsal():
         ("grpo_seed0", "grpo_clip_eps0.2", "baseline"),
         ("dppo_seed0", "dppo_divergence_mask", "treatment"),
     ]
-    assert all(a.adam["learning_rate"] == 2e-5 for a in full.arms) and full.temperature.value == 1.0
+    assert all(a.adam["learning_rate"] == 2e-5 for a in full.arms) and full.temperature == 1.0
     assert [(c.treatment, c.baseline, c.margin) for c in full.criteria] == [("dppo_seed0", "grpo_seed0", 0.0)]
     small = REHEARSAL.run
     assert small.base_model == "local/tiny-qwen3-gsm8k" and small.arms[0].updates_per_batch == 2
@@ -81,7 +81,7 @@ def test_plan_load_refuses_specs_that_break_the_pairing(mutate, match):
 def test_same_seeds_for_both_arms_distinct_across_steps():
     run = SPEC.run
     seeds = [step_seed(run, s) for s in range(run.rollout_steps)]
-    assert len(set(seeds)) == run.rollout_steps and seeds[1] - seeds[0] == run.groups_per_batch.value
+    assert len(set(seeds)) == run.rollout_steps and seeds[1] - seeds[0] == run.groups_per_batch
 
 
 class _Rec:

@@ -74,9 +74,9 @@ def test_the_feasibility_pilot_times_every_arm_with_its_own_loss_and_optimizer()
 
 
 def test_the_local_backend_substitution_says_what_was_chosen_not_what_is_reachable():
-    from dppo_harness.plans import BackendInfo, backend_deviations
+    from dppo_harness.evidence.backend import Backend, backend_deviations
 
-    info = BackendInfo(backend="local", requested_model=SPEC.base_model, served_model="local/tiny-qwen3-gsm8k")
+    info = Backend(kind="local", requested_model=SPEC.base_model, served_model="local/tiny-qwen3-gsm8k")
     (d,) = backend_deviations(SPEC, info)
     assert d["field"] == "model" and "reachable" not in d["reason"]  # the harness never tested reachability
     assert "local backend" in d["reason"] and "rehearsal" in d["reason"]

@@ -362,7 +362,7 @@ def test_budget_ledger_blocks_a_stage(tmp_path):
 
 def test_provenance_plan_and_code_revision(tmp_path, bundle):
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-    entry = bundle.register_plan(plan)
+    entry = bundle.register_bytes(plan.name, "plan", plan.data)
     assert entry["sha256"] == plan.sha256 and entry["kind"] == "plan"
     repo = tmp_path / "repo"
     (repo / "src" / "dppo_harness").mkdir(parents=True)
@@ -484,20 +484,19 @@ def test_killed_run_leaves_a_valid_partial_bundle(tmp_path):
 
 
 def test_record_plan_before_training(bundle):
-    from dppo_harness.plans import BackendInfo, effective_config
+    from dppo_harness.evidence.backend import Backend
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-    cfg = effective_config(plan, BackendInfo("local", "Qwen/Qwen3.5-2B", "tiny-qwen3-gsm8k"))
-    session.record_plan(bundle, plan, cfg, plan_name="revised-diagnostic-spec.json")
+    session.record_plan(
+        bundle, plan, Backend(kind="local", requested_model="Qwen/Qwen3.5-2B", served_model="tiny-qwen3-gsm8k")
+    )
     r = bundle.result
-    assert bundle.entry("revised-diagnostic-spec.json")["sha256"] == plan.sha256
+    assert bundle.entry(plan.name)["sha256"] == plan.sha256
     assert bundle.entry("effective-config.json")["kind"] == "effective_config"
     assert len(r["deviations"]) == len(plan.deviations) + 1 and r["deviations"][-1]["field"] == "model"
     assert r["original_hypothesis_tested"] is False and r["tested_instead"] == plan.raw["tested_instead"]
     assert r["generation_audit"]["status"] == "not_applicable"
-    other = load_plan(PLANS / "exp_e6b0965af3.json")
-    with pytest.raises(EvidenceError, match="sha256 differs"):
-        session.record_plan(bundle, other, cfg)
+    assert [e["kind"] for e in bundle.files()].count("plan") == 1  # no resolution file beside a diagnostic
 
 
 def _git_repo(tmp_path):
@@ -622,7 +621,7 @@ def test_result_shape_errors_name_the_field(mutate, message):
 
 
 def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
-    from dppo_harness.plans import BackendInfo, effective_config
+    from dppo_harness.evidence.backend import Backend
 
     spec = json.loads((PLANS / "exp_e6b0965af3.json").read_text())
     spec["max_seq_len"] = 2048
@@ -648,7 +647,9 @@ def test_rehearsal_plan_result_is_labelled_and_inconclusive(tmp_path):
     path.with_name("r.json.resolution.json").write_text(json.dumps(resolution))
     plan = load_plan(path)
     b = EvidenceBundle.create(tmp_path / "evidence", "reh", env={})
-    session.record_plan(b, plan, effective_config(plan, BackendInfo("tinker", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")))
+    session.record_plan(
+        b, plan, Backend(kind="tinker", requested_model="Qwen/Qwen3.5-2B", served_model="Qwen/Qwen3.5-2B")
+    )
     assert b.result["deviations"][0]["original"] == "max_seq_len = 1024"
     with pytest.raises(ResultShapeError, match="rehearsal plan is always 'inconclusive'"):
         b.finish("succeeded", "supported", "supported", original_hypothesis_tested=True, summary="DPPO wins.")

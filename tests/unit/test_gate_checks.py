@@ -97,7 +97,7 @@ def test_the_gate_pilots_the_plans_treatment_at_the_plans_schedule():
     run = SPEC_PLAN.run
     arm = gate.pilot_arm(SPEC_PLAN.name, run)
     assert (arm.name, arm.loss, arm.role) == ("dppo_seed0", "dppo_divergence_mask", "treatment")
-    assert int(run.gate_pilot_steps.value) == 5 and "5-step pilot" in run.gate_pilot_steps.source
+    assert run.gate_pilot_steps == 5 and "5-step pilot" in run.stated["gate_pilot_steps"].source
     assert arm.updates_per_batch == 2 and arm.adam["learning_rate"] == 2e-5 and arm.adam["eps"] == 1e-8
 
 

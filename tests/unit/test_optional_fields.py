@@ -12,7 +12,7 @@ import tinker
 from tinker import types
 
 from dppo_harness import plans
-from dppo_harness.evidence.backend import ServedModel, served_name
+from dppo_harness.evidence.backend import SERVED_MODEL_UNAVAILABLE, ServedModel, backend_deviations, served_name
 from dppo_harness.local_server.faults import (
     OPTIONAL_RESPONSE_FIELDS,
     FaultConfig,
@@ -199,13 +199,13 @@ def test_backend_info_without_model_names_is_unavailable_and_no_deviation(pytest
     info = types.GetInfoResponse(model_data=types.ModelData(), model_id="s:train:0")  # the service sent no names
     client = SimpleNamespace(get_info=lambda: info)
     b = backend_info(SimpleNamespace(kind="tinker", base_url="http://127.0.0.1:9"), plan, client)
-    assert b.served_model.startswith(plans.SERVED_MODEL_UNAVAILABLE) and plan.base_model not in b.served_model
-    assert plans.backend_deviations(plan, b) == []
+    assert b.served_model.startswith(SERVED_MODEL_UNAVAILABLE) and plan.base_model not in b.served_model
+    assert backend_deviations(plan, b) == []
     other = SimpleNamespace(
         get_info=lambda: types.GetInfoResponse(model_data=types.ModelData(model_name="Qwen/Qwen3.5-4B"), model_id="m")
     )
     moved = backend_info(SimpleNamespace(kind="tinker", base_url="http://127.0.0.1:9"), plan, other)
-    assert [d["effective"] for d in plans.backend_deviations(plan, moved)] == ["Qwen/Qwen3.5-4B"]
+    assert [d["effective"] for d in backend_deviations(plan, moved)] == ["Qwen/Qwen3.5-4B"]
 
 
 @pytest.mark.parametrize(

@@ -7,15 +7,10 @@ from pathlib import Path
 import pytest
 
 from dppo_harness import constants
+from dppo_harness.evidence.backend import Backend, backend_deviations
+from dppo_harness.evidence.session import effective_config
 from dppo_harness.loss.loss_registry import DPPO_LOSS, get_loss
-from dppo_harness.plans import (
-    BackendInfo,
-    PlanError,
-    backend_deviations,
-    effective_config,
-    load_plan,
-    parse_plan,
-)
+from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.plans.plan import generation_audit_applicability
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
@@ -181,19 +176,31 @@ def test_original_plan_hash_mismatch_is_refused(tmp_path):
 
 def test_backend_deviations_local_and_tinker():
     plan = load_plan(DIAG)
-    devs = backend_deviations(plan, BackendInfo("local", constants.BASE_MODEL, "tiny-qwen3-gsm8k"))
+    devs = backend_deviations(
+        plan, Backend(kind="local", requested_model=constants.BASE_MODEL, served_model="tiny-qwen3-gsm8k")
+    )
     assert [d["field"] for d in devs] == ["model"]
     assert "tiny-qwen3-gsm8k" in devs[0]["effective"] and devs[0]["original"] == constants.BASE_MODEL
-    assert backend_deviations(plan, BackendInfo("tinker", constants.BASE_MODEL, constants.BASE_MODEL)) == []
+    assert (
+        backend_deviations(
+            plan, Backend(kind="tinker", requested_model=constants.BASE_MODEL, served_model=constants.BASE_MODEL)
+        )
+        == []
+    )
     other = backend_deviations(
-        plan, BackendInfo(backend="tinker", requested_model=constants.BASE_MODEL, served_model="Qwen/Qwen3.5-4B")
+        plan, Backend(kind="tinker", requested_model=constants.BASE_MODEL, served_model="Qwen/Qwen3.5-4B")
     )
     assert other[0]["effective"] == "Qwen/Qwen3.5-4B"
 
 
 def test_effective_config_carries_plan_hash_and_all_deviations():
     plan = load_plan(DIAG)
-    cfg = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny", sdk_versions={"tinker": "0.38.0"}))
+    cfg = effective_config(
+        plan,
+        Backend(
+            kind="local", requested_model=constants.BASE_MODEL, served_model="tiny", sdk_versions={"tinker": "0.38.0"}
+        ),
+    )
     assert cfg["plan"] == {
         "name": plan.name,
         "kind": "bounded_diagnostic",
@@ -205,7 +212,9 @@ def test_effective_config_carries_plan_hash_and_all_deviations():
     assert len(cfg["deviations"]) == len(plan.deviations) + 1
     assert cfg["generation_audit"]["applicable"] is False
     json.dumps(cfg, allow_nan=False)
-    spec_cfg = effective_config(load_plan(SPEC), BackendInfo("tinker", constants.BASE_MODEL, constants.BASE_MODEL))
+    spec_cfg = effective_config(
+        load_plan(SPEC), Backend(kind="tinker", requested_model=constants.BASE_MODEL, served_model=constants.BASE_MODEL)
+    )
     assert (spec_cfg["config"]["steps"], spec_cfg["config"]["batch_size"], spec_cfg["config"]["n_eval"]) == (
         100,
         256,
@@ -261,7 +270,7 @@ def test_rehearsal_plan_loads_and_exposes_its_spec(tmp_path):
     devs = {d["original"].split(" = ")[0]: d["field"] for d in plan.deviations}
     assert devs["steps"] == "steps" and devs["batch_size"] == "effective_batch" and devs["base_model"] == "model"
     assert devs["eval.n_examples"] == "evaluator" and devs["optimizer.lr"] == "objective"
-    cfg = effective_config(plan, BackendInfo("local", LOCAL_MODEL, LOCAL_MODEL))
+    cfg = effective_config(plan, Backend(kind="local", requested_model=LOCAL_MODEL, served_model=LOCAL_MODEL))
     assert cfg["plan"]["kind"] == "rehearsal" and cfg["plan"]["label"] == "rehearsal"
     assert cfg["plan"]["derived_from"]["sha256"] == SPEC_SHA256
     assert (cfg["config"]["steps"], cfg["config"]["batch_size"], cfg["config"]["n_eval"]) == (6, 32, 50)

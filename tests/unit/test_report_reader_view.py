@@ -11,10 +11,11 @@ import pytest
 from dppo_harness import constants
 from dppo_harness.evaluation import stats
 from dppo_harness.evidence import EvidenceBundle, report, verify_bundle
-from dppo_harness.evidence.backend import ServedModel
+from dppo_harness.evidence.backend import Backend, ServedModel
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE
+from dppo_harness.evidence.session import effective_config
 from dppo_harness.loss import loss_registry
-from dppo_harness.plans import BackendInfo, CriterionConfig, effective_config, load_plan
+from dppo_harness.plans import CriterionConfig, load_plan
 from dppo_harness.plans.run_config import NORMALIZATION as HARNESS_NORMALIZATION
 from dppo_harness.stages.comparison.decision import decide_criteria, decision_block, verdict
 from dppo_harness.stages.comparison.step_rows import fraction_names
@@ -26,7 +27,9 @@ PLANS = Path(__file__).resolve().parents[2] / "plans"
     "name", ["exp_e6b0965af3.json", "exp_e6b0965af3-diagnostic-r1.json", "rehearsal/comparison-local.json"]
 )
 def test_effective_config_declares_renderer_thinking_and_normalization(name):
-    cfg = effective_config(load_plan(PLANS / name), BackendInfo("local", constants.BASE_MODEL, "tiny"))
+    cfg = effective_config(
+        load_plan(PLANS / name), Backend(kind="local", requested_model=constants.BASE_MODEL, served_model="tiny")
+    )
     r = cfg["renderer"]
     assert r["name"] == constants.RENDERER_NAME and r["thinking"] == "enabled"
     assert r["generation_prompt_suffix"].endswith("<think>\n") and "max_tokens" in r["note"]
@@ -37,7 +40,9 @@ def test_effective_config_declares_renderer_thinking_and_normalization(name):
 @pytest.mark.parametrize("name", ["exp_e6b0965af3.json", "rehearsal/comparison-local.json"])
 def test_the_declared_normalization_is_what_the_arms_and_the_gate_train_with(name):
     plan = load_plan(PLANS / name)
-    declared = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))["loss_normalization"]["mode"]
+    declared = effective_config(plan, Backend(kind="local", requested_model=constants.BASE_MODEL, served_model="tiny"))[
+        "loss_normalization"
+    ]["mode"]
     assert declared == plan.run.normalization == HARNESS_NORMALIZATION
     assert plan.run.normalization == declared  # the comparison's arms and the gate read plan.run's
 
@@ -91,7 +96,8 @@ def _decision():
 def test_comparison_report_shows_labels_truncation_plot_and_informational_interval(tmp_path):
     bundle = EvidenceBundle.create(tmp_path)
     eff = effective_config(
-        load_plan(PLANS / "rehearsal/comparison-local.json"), BackendInfo("local", constants.BASE_MODEL, "tiny")
+        load_plan(PLANS / "rehearsal/comparison-local.json"),
+        Backend(kind="local", requested_model=constants.BASE_MODEL, served_model="tiny"),
     )
     bundle.register_json(EFFECTIVE_CONFIG_FILE, "effective_config", eff)
     eval_m = {
@@ -152,7 +158,7 @@ def test_diagnostic_report_states_truncation_next_to_the_renderer():
     served = ServedModel(plan.planned_model, plan.planned_model)
     res = analyse(plan, state, deterministic_selftest(), {"points": []}, served)
     analysis = res.analysis_json()
-    eff = effective_config(plan, BackendInfo("local", constants.BASE_MODEL, "tiny"))
+    eff = effective_config(plan, Backend(kind="local", requested_model=constants.BASE_MODEL, served_model="tiny"))
     analysis["declared"] = {k: eff[k] for k in ("renderer", "loss_normalization")}
     analysis["rollout_yield"] = answer_yield.response_yield(
         ["length"] * 64 + ["stop"] * 192, [False] * 80 + [True] * 176, [512] * 64 + [100] * 192, max_tokens=512

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from dppo_harness.evidence import EvidenceBundle, verify_bundle
+from dppo_harness.evidence import EvidenceBundle, session, verify_bundle
+from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.files import sha256_bytes
 from dppo_harness.plans import PlanError, launch_refusal, load_plan, parse_plan, plan_config
 
@@ -230,9 +231,10 @@ def test_the_resolution_file_read_is_registered_in_the_evidence_by_its_bytes(tmp
     spec = load_plan(SAVED)
     assert spec.resolution is not None
     bundle = EvidenceBundle.create(tmp_path, "run", env={})
-    entry = bundle.register_resolution(spec)
+    session.record_plan(
+        bundle, spec, Backend(kind="tinker", requested_model=spec.base_model, served_model=spec.base_model)
+    )
+    entry = bundle.entry(spec.resolution.file)
     on_disk = (SAVED.parent / spec.resolution.file).read_bytes()
-    assert entry["name"] == spec.resolution.file and entry["sha256"] == sha256_bytes(on_disk) == spec.resolution.sha256
+    assert entry["kind"] == "plan" and entry["sha256"] == sha256_bytes(on_disk) == spec.resolution.sha256
     assert verify_bundle(bundle.dir) == []
-    diagnostic = load_plan(ROOT / "plans" / "exp_e6b0965af3-diagnostic-r1.json")
-    assert diagnostic.resolution is None and bundle.register_resolution(diagnostic) is None

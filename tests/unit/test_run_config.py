@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from dppo_harness.evidence.backend import Backend
+from dppo_harness.evidence.session import effective_config
 from dppo_harness.loss.loss_registry import loss_names
-from dppo_harness.plans import BackendInfo, PlanError, effective_config, load_plan, parse_plan
+from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.stages.comparison.decision import decide_criteria, verdict
 
 REGISTERED = ", ".join(loss_names())  # whatever losses are registered
@@ -38,18 +40,18 @@ def test_saved_spec_schedule_values_carry_their_sentences():
     first = "Each step samples groups_per_batch=32 GSM8K train prompts with group_size=8 rollouts at temperature 1.0 and max_tokens=512."
     assert {
         k: (v.value, v.field, v.source)
-        for k, v in run.schedule_values().items()
+        for k, v in run.stated.items()
         if k != "minibatches_per_batch" and k != "gate_pilot_steps"
     } == {
         k: (val, RESOLUTION, first)
         for k, val in (("groups_per_batch", 32), ("group_size", 8), ("temperature", 1.0), ("max_tokens", 512))
     }
-    assert (run.minibatches_per_batch.value, run.minibatches_per_batch.source) == (
+    assert (run.minibatches_per_batch, run.stated["minibatches_per_batch"].source) == (
         2,
         "The rollout batch is split into 2 minibatches.",
     )
-    assert (run.gate_pilot_steps.value, run.gate_pilot_steps.field) == (5, RESOLUTION)
-    assert "A 5-step pilot" in run.gate_pilot_steps.source
+    assert (run.gate_pilot_steps, run.stated["gate_pilot_steps"].field) == (5, RESOLUTION)
+    assert "A 5-step pilot" in run.stated["gate_pilot_steps"].source
     assert (run.rollout_steps, run.optimizer_steps, run.batch_size, run.eval_items, run.dataset) == (
         50,
         100,
@@ -57,7 +59,9 @@ def test_saved_spec_schedule_values_carry_their_sentences():
         1319,
         "gsm8k",
     )
-    cfg = effective_config(SPEC, BackendInfo("tinker", "Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B"))
+    cfg = effective_config(
+        SPEC, Backend(kind="tinker", requested_model="Qwen/Qwen3.5-2B", served_model="Qwen/Qwen3.5-2B")
+    )
     prose = cfg["config"]["run"]["stated_in_prose"]
     assert prose["group_size"] == {"value": 8, "field": RESOLUTION, "source": first}
     assert cfg["config"]["max_tokens"] == 512 and cfg["config"]["run"]["temperature"] == 1.0
@@ -75,7 +79,7 @@ def test_roles_come_from_the_resolution_file_and_the_decision_weights():
 def test_variant_fixture_differs_from_the_saved_spec_everywhere_it_should():
     v, s = VARIANT.run, SPEC.run
     assert {a.name for a in v.arms}.isdisjoint({a.name for a in s.arms})
-    assert (v.seed, v.lora_rank, v.arms[0].lr, v.group_size.value, v.groups_per_batch.value, v.max_tokens.value) == (
+    assert (v.seed, v.lora_rank, v.arms[0].lr, v.group_size, v.groups_per_batch, v.max_tokens) == (
         7,
         16,
         3e-5,
@@ -83,7 +87,7 @@ def test_variant_fixture_differs_from_the_saved_spec_everywhere_it_should():
         8,
         96,
     )
-    assert (s.seed, s.lora_rank, s.arms[0].lr, s.group_size.value, s.groups_per_batch.value, s.max_tokens.value) == (
+    assert (s.seed, s.lora_rank, s.arms[0].lr, s.group_size, s.groups_per_batch, s.max_tokens) == (
         0,
         32,
         2e-5,
@@ -95,7 +99,7 @@ def test_variant_fixture_differs_from_the_saved_spec_everywhere_it_should():
     assert [c.model_dump(exclude_none=True) for c in v.gate_checks] != [
         c.model_dump(exclude_none=True) for c in s.gate_checks
     ]
-    assert v.gate_pilot_steps.value == 2
+    assert v.gate_pilot_steps == 2
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ def test_validate_prints_every_prose_value_with_its_sentence_and_the_half_width_
     config, lines = _validate(SAVED)
     assert config == json.loads(json.dumps(plan_config(load_plan(SAVED))))  # stdout: the effective config
     run = load_plan(SAVED).run
-    for key, stated in run.schedule_values().items():  # every value, with the sentence it quotes
+    for key, stated in run.stated.items():  # every value, with the sentence it quotes
         assert any(
             line.startswith(f"  {key} = {stated.value} ({KEYS[key].what}) from exp_e6b0965af3.json.resolution.json: ")
             and stated.source in line

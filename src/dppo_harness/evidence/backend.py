@@ -14,10 +14,11 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from dppo_harness.json_types import JsonObject, JsonValue
-from dppo_harness.plans import BackendKind
+from dppo_harness.plans import BackendKind, Plan
 from dppo_harness.plans.schema_errors import STRICT
 
 EMBEDDED_KEY = "embedded_server"  # the marker's key in get_server_capabilities
+SERVED_MODEL_UNAVAILABLE = "unavailable"  # the effective config's served_model when the service named no model
 
 
 class Block(BaseModel):
@@ -86,3 +87,30 @@ def session_served(result: Mapping[str, JsonValue], planned: str) -> ServedModel
     client on is what get_info named (`service.observed.TrainingClientRecorder`)."""
     block = backend_of(result)
     return ServedModel(planned, block.served_model if block is not None else None)
+
+
+def backend_deviations(plan: Plan, backend: Backend) -> list[dict[str, str]]:
+    """Deviations that come from where the plan runs, not from the plan itself."""
+    served = backend.served_model or SERVED_MODEL_UNAVAILABLE
+    if backend.kind == "local":
+        return [
+            {
+                "field": "model",
+                "original": plan.planned_model,
+                "effective": f"{served} (embedded local CPU server on loopback, answering to the name {plan.base_model})",
+                # what the run chose (the harness does not test whether a service is reachable)
+                "reason": "the local backend was selected (--backend local, or TINKER_BASE_URL unset): the embedded CPU "
+                "server's stand-in computes; this run is a local rehearsal of the harness, not a measurement "
+                "of the planned model",
+            }
+        ]
+    if served != plan.base_model and not served.startswith(SERVED_MODEL_UNAVAILABLE):
+        return [
+            {
+                "field": "model",
+                "original": plan.base_model,
+                "effective": served,
+                "reason": "the service reported a different model at client creation",
+            }
+        ]
+    return []

@@ -12,7 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import urlsplit
 
 from dppo_harness.evidence import files
@@ -44,9 +44,6 @@ from dppo_harness.evidence.result import (
 )
 from dppo_harness.json_types import JsonObject
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
-
-if TYPE_CHECKING:
-    from dppo_harness.plans import Plan
 
 
 class EvidenceBundle:
@@ -214,15 +211,6 @@ class EvidenceBundle:
         with self._lock:
             entries = self._entries()
             return MAX_FILES - len(entries) - self._closing_left(entries, stage_end)[0]
-
-    def register_plan(self, plan: Plan, name: str | None = None) -> FileEntry:
-        """A plans.Plan's exact file bytes (so the entry's sha256 is Plan.sha256)."""
-        return self.register_bytes(name or plan.name, "plan", plan.data)
-
-    def register_resolution(self, plan: Plan) -> FileEntry | None:
-        """The resolution file read beside the plan, by its exact bytes; None when the plan has none."""
-        res = plan.resolution
-        return None if res is None else self.register_bytes(res.file, "plan", res.data)
 
     # -- result.json
 

@@ -9,33 +9,56 @@ from pathlib import Path
 from typing import Any
 
 from dppo_harness import plans
-from dppo_harness.evidence.backend import Backend
+from dppo_harness.evidence.backend import Backend, backend_deviations
 from dppo_harness.evidence.bundle import EvidenceBundle
-from dppo_harness.evidence.errors import EvidenceError
 from dppo_harness.evidence.files import EFFECTIVE_CONFIG_FILE, LATEST_FILE, RESULT_FILE, sha256_bytes
 from dppo_harness.evidence.provenance import ARCHIVE_NAME, register_code
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
-from dppo_harness.json_types import JsonMap
+from dppo_harness.json_types import JsonMap, JsonObject, as_object, objs
 from dppo_harness.plans import BackendKind
 from dppo_harness.pytest_plugin.stages import STAGE_TEST_FOLDERS
 from dppo_harness.service.config import sdk_versions
 
 
-def record_plan(
-    bundle: EvidenceBundle, plan: plans.Plan, effective_config: Mapping[str, Any], *, plan_name: str | None = None
-) -> None:
-    """Before any training call: the plan's exact bytes, the effective config with every deviation
-    it declares, the hypothesis scope and generation_audit applicability."""
-    if effective_config.get("plan", {}).get("sha256") != plan.sha256:
-        raise EvidenceError("effective config was not built from this plan (sha256 differs)")
+def effective_config(plan: plans.Plan, backend: Backend) -> JsonObject:
+    """The configuration that will actually run (the feasibility record's `effective_config`),
+    with every value the spec states only in prose and the sentence the resolution file quotes."""
+    base = plans.plan_config(plan)
+    # Deferred: the tokenizer pulls in tinker_cookbook and the loss path torch; the bundle stays light.
+    from dppo_harness.data import tokenizer
+    from dppo_harness.loss import losses as loss_path  # torch (see above)
+
+    # Declared for every plan: the renderer's thinking mode (read off a rendered prompt) and the
+    # loss normalization, against the cookbook ppo's sum.
+    mode = plan.run.normalization if plan.run else plan.diagnostic.fixed_settings.loss_normalization.mode
+    return {
+        "plan": base["plan"],
+        "backend": {
+            "backend": backend.kind,
+            "requested_model": backend.requested_model,
+            "served_model": backend.served_model,
+            "sdk_versions": dict(backend.sdk_versions or {}),
+        },
+        **{k: base[k] for k in ("pinned", "budget", "generation_audit", "config")},
+        "renderer": tokenizer.renderer_declaration(),
+        "loss_normalization": as_object(loss_path.normalization_declaration(mode)),
+        "deviations": [as_object(d) for d in (*plan.deviations, *backend_deviations(plan, backend))],
+    }
+
+
+def record_plan(bundle: EvidenceBundle, plan: plans.Plan, backend: Backend) -> None:
+    """Before any training call: the plan's exact bytes (its resolution file's too), the effective
+    config with every deviation it declares, the hypothesis scope and generation_audit applicability."""
+    config = effective_config(plan, backend)
     if plan.kind == "rehearsal":
         bundle.mark_rehearsal_plan()
-    bundle.register_plan(plan, plan_name)
-    bundle.register_resolution(plan)
-    bundle.register_json(EFFECTIVE_CONFIG_FILE, "effective_config", effective_config)
-    for d in effective_config.get("deviations", []):
-        bundle.add_deviation(d["field"], d["original"], d["effective"], d["reason"])
-    fields: dict[str, Any] = {"generation_audit": dict(effective_config["generation_audit"])}
+    bundle.register_bytes(plan.name, "plan", plan.data)
+    if plan.resolution is not None:
+        bundle.register_bytes(plan.resolution.file, "plan", plan.resolution.data)
+    bundle.register_json(EFFECTIVE_CONFIG_FILE, "effective_config", config)
+    for d in objs(config["deviations"]):
+        bundle.add_deviation(str(d["field"]), d["original"], d["effective"], str(d["reason"]))
+    fields: dict[str, Any] = {"generation_audit": config["generation_audit"]}
     if plan.kind == "bounded_diagnostic":
         fields["original_hypothesis_tested"] = plan.diagnostic.original_hypothesis_tested
         fields["tested_instead"] = plan.diagnostic.tested_instead
@@ -72,17 +95,18 @@ def start_session(
     served = served_model or (
         "the embedded server's model (named at client creation)" if backend == "local" else plan.base_model
     )
-    info = plans.BackendInfo(
-        backend=backend, requested_model=plan.planned_model, served_model=served, sdk_versions=versions
+    record_plan(
+        bundle,
+        plan,
+        Backend(kind=backend, requested_model=plan.planned_model, served_model=served, sdk_versions=versions),
     )
-    record_plan(bundle, plan, plans.effective_config(plan, info))
     if plan.kind == "bounded_diagnostic":
         # The revised spec, with the effective config and deviations above, before ANY optimizer
         # update of the session (the preflight's probes included), so the evidence shows what was planned before it ran.
         # instrument.instrumentation loads numpy and torch; the bundle, imported by every stage, stays light
         from dppo_harness.instrument.instrumentation import REVISED_SPEC_FILE
 
-        bundle.register_plan(plan, REVISED_SPEC_FILE)
+        bundle.register_bytes(REVISED_SPEC_FILE, "plan", plan.data)
     # The ledger's budget is the executed plan's own, counted from the session start (the ledger's
     # clock starts with the bundle): a bounded diagnostic's 12-minute cap includes setup and every
     # stage before it, inside the original experiment's GPU-hour cap.

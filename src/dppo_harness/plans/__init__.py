@@ -1,4 +1,4 @@
-"""Frozen plans: the plan models (`models`), loading and the effective config (`plan`), the typed
+"""Frozen plans: the plan models (`models`), loading and the plan's config (`plan`), the typed
 run config (`run_config`), the resolution file beside a spec (`resolution`), rehearsal rules
 (`rehearsal`) and launch scope (`launch`). CLI: `python -m dppo_harness.plans validate PLAN`.
 """
@@ -8,12 +8,8 @@ from dppo_harness.plans.launch import unauthorized_stages
 from dppo_harness.plans.launch import undecided_refusal as launch_undecided_refusal
 from dppo_harness.plans.models import DEVIATION_FIELDS, ExperimentSpec, PlanError
 from dppo_harness.plans.plan import (
-    SERVED_MODEL_UNAVAILABLE,
-    BackendInfo,
     BackendKind,
     Plan,
-    backend_deviations,
-    effective_config,
     load_plan,
     parse_plan,
     plan_config,
@@ -22,17 +18,13 @@ from dppo_harness.plans.run_config import ArmConfig, CriterionConfig, RunConfig
 
 __all__ = [
     "DEVIATION_FIELDS",
-    "SERVED_MODEL_UNAVAILABLE",
     "ArmConfig",
-    "BackendInfo",
     "BackendKind",
     "CriterionConfig",
     "ExperimentSpec",
     "Plan",
     "PlanError",
     "RunConfig",
-    "backend_deviations",
-    "effective_config",
     "launch_refusal",
     "launch_undecided_refusal",
     "load_plan",

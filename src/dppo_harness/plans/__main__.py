@@ -26,7 +26,7 @@ def reading_lines(plan: Plan) -> list[str]:
         f"{plan.name}: values the spec states only in prose (config.run.stated_in_prose), each with the "
         "sentence its resolution file quotes:"
     ]
-    for name, s in run.schedule_values().items():
+    for name, s in run.stated.items():
         origin = f"default ({s.field}): {s.source}" if s.default else f"from {s.field}: {s.source!r}"
         out.append(f"  {name} = {s.value} ({KEYS[name].what}) {origin}")
     out.append(f"{plan.name}: decision at the planned size (information, not a check):")

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -69,14 +68,6 @@ class Plan:
         if self.kind == "experiment_spec":
             return self.data
         return json.dumps(self.spec).encode()
-
-    @property
-    def spec_run(self) -> RunConfig:
-        """The typed run config of a spec-kind plan (built at load); PlanError for a bounded
-        diagnostic (its original plan's is `spec_plan.spec_run`)."""
-        if self.run is None:
-            raise PlanError(f"kind: a {self.kind} plan has no run config of its own (see Plan.spec_plan)")
-        return self.run
 
     @property
     def experiment(self) -> ExperimentSpec:
@@ -241,47 +232,7 @@ def load_plan(path: str | Path, *, repo_root: Path | None = None) -> Plan:
     return parse_plan(data, path, repo_root=repo_root)
 
 
-# ----------------------------------------------------------------------------- backend + effective config
-
-
-SERVED_MODEL_UNAVAILABLE = "unavailable"  # BackendInfo.served_model when the service named no model
-
-
-@dataclass(frozen=True)
-class BackendInfo:
-    """What actually serves the run. `served_model` is the model that really computes."""
-
-    backend: BackendKind
-    requested_model: str
-    served_model: str
-    sdk_versions: Mapping[str, str] = field(default_factory=dict)
-
-
-def backend_deviations(plan: Plan, info: BackendInfo) -> list[dict[str, str]]:
-    """Deviations that come from where the plan runs, not from the plan itself."""
-    out: list[dict[str, str]] = []
-    if info.backend == "local":
-        out.append(
-            {
-                "field": "model",
-                "original": plan.planned_model,
-                "effective": f"{info.served_model} (embedded local CPU server on loopback, answering to the name {plan.base_model})",
-                # what the run chose (the harness does not test whether a service is reachable)
-                "reason": "the local backend was selected (--backend local, or TINKER_BASE_URL unset): the embedded CPU "
-                "server's stand-in computes; this run is a local rehearsal of the harness, not a measurement "
-                "of the planned model",
-            }
-        )
-    elif info.served_model != plan.base_model and not info.served_model.startswith(SERVED_MODEL_UNAVAILABLE):
-        out.append(
-            {
-                "field": "model",
-                "original": plan.base_model,
-                "effective": info.served_model,
-                "reason": "the service reported a different model at client creation",
-            }
-        )
-    return out
+# ----------------------------------------------------------------------------- effective config
 
 
 def generation_audit_applicability(plan: Plan) -> JsonObject:
@@ -307,41 +258,11 @@ def _dump(m: BaseModel) -> JsonObject:
     return m.model_dump(mode="json", exclude_none=True)
 
 
-def effective_config(plan: Plan, info: BackendInfo) -> JsonObject:
-    """The configuration that will actually run (the feasibility record's `effective_config`),
-    with every value the spec states only in prose and the sentence the resolution file quotes."""
-    base = plan_config(plan)
-    # Deferred: the tokenizer pulls in tinker_cookbook and the loss path torch; loading a plan stays light.
-    from dppo_harness.data import tokenizer
-    from dppo_harness.loss import losses as loss_path  # torch (see above)
-
-    # Declared for every plan: the renderer's thinking mode (read off a rendered prompt) and the
-    # loss normalization, against the cookbook ppo's sum.
-    mode = (
-        plan.diagnostic.fixed_settings.loss_normalization.mode
-        if plan.kind == "bounded_diagnostic"
-        else plan.spec_run.normalization
-    )
-    return {
-        "plan": base["plan"],
-        "backend": {
-            "backend": info.backend,
-            "requested_model": info.requested_model,
-            "served_model": info.served_model,
-            "sdk_versions": dict(info.sdk_versions),
-        },
-        **{k: base[k] for k in ("pinned", "budget", "generation_audit", "config")},
-        "renderer": tokenizer.renderer_declaration(),
-        "loss_normalization": as_object(loss_path.normalization_declaration(mode)),
-        "deviations": [as_object(d) for d in (*plan.deviations, *backend_deviations(plan, info))],
-    }
-
-
 def plan_config(plan: Plan) -> JsonObject:
     """The effective config as far as the plan alone decides it (no backend yet)."""
     body: JsonObject
-    if plan.kind != "bounded_diagnostic":
-        spec, run = plan.experiment, plan.spec_run
+    if plan.run is not None:  # a spec kind
+        spec, run = plan.experiment, plan.run
         body = {
             "base_model": spec.base_model,
             "lora_rank": spec.lora_rank,
@@ -349,7 +270,7 @@ def plan_config(plan: Plan) -> JsonObject:
             "steps": spec.steps,
             "batch_size": spec.batch_size,
             "max_seq_len": spec.max_seq_len,
-            "max_tokens": int(run.max_tokens.value),
+            "max_tokens": run.max_tokens,
             "n_eval": spec.eval.n_examples,
             "optimizer": _dump(spec.optimizer),
             "seed": run.seed,

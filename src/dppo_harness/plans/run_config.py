@@ -181,17 +181,18 @@ class RunConfig:
     optimizer_steps: int  # spec.steps
     updates_per_batch: int
     batch_size: int
-    groups_per_batch: Stated
-    group_size: Stated
-    temperature: Stated
-    max_tokens: Stated
-    minibatches_per_batch: Stated
+    groups_per_batch: int
+    group_size: int
+    temperature: float
+    max_tokens: int
+    minibatches_per_batch: int
     eval_items: int
-    gate_pilot_steps: Stated  # the activation gate's pilot length (its `reason` text states it)
+    gate_pilot_steps: int  # the activation gate's pilot length (its `reason` text states it)
     decision_method: str
     alpha: float
     criteria: tuple[CriterionConfig, ...]
     gate_checks: tuple[GateCheck, ...]
+    stated: Mapping[str, Stated]  # where each schedule value above comes from, in the order of resolution.KEYS
     normalization: losses.Normalization = NORMALIZATION
 
     def arm(self, name: str) -> ArmConfig:
@@ -212,10 +213,6 @@ class RunConfig:
     def seed(self) -> int:
         return self.arms[0].seed
 
-    def schedule_values(self) -> dict[str, Stated]:
-        """The values a resolution file states (or their defaults), in the order of its KEYS."""
-        return {k: getattr(self, k) for k in KEYS}
-
     def as_json(self) -> JsonObject:
         """The effective config's view: plain values, and each value the spec states only in prose
         with the sentence it quotes."""
@@ -231,7 +228,7 @@ class RunConfig:
             "optimizer_steps": self.optimizer_steps,
             "updates_per_batch": self.updates_per_batch,
             "batch_size": self.batch_size,
-            **{k: v.value for k, v in self.schedule_values().items()},
+            **{k: v.value for k, v in self.stated.items()},
             "eval_items": self.eval_items,
             "normalization": self.normalization,
             "decision": {
@@ -242,7 +239,7 @@ class RunConfig:
                 ],
             },
             "gate_checks": [c.model_dump(exclude_none=True) for c in self.gate_checks],
-            "stated_in_prose": {k: v.as_json() for k, v in self.schedule_values().items()},
+            "stated_in_prose": {k: v.as_json() for k, v in self.stated.items()},
         }
 
 
@@ -281,6 +278,7 @@ def build_run_config(
     pilot = values.get("gate_pilot_steps") or Stated(
         DEFAULT_PILOT_STEPS, "harness default", "the resolution file states no gate_pilot_steps", default=True
     )
+    stated = {**values, "minibatches_per_batch": minibatches, "gate_pilot_steps": pilot}
     return RunConfig(
         base_model=spec.base_model,
         lora_rank=spec.lora_rank,
@@ -293,17 +291,18 @@ def build_run_config(
         optimizer_steps=spec.steps,
         updates_per_batch=upb,
         batch_size=spec.batch_size,
-        groups_per_batch=values["groups_per_batch"],
-        group_size=values["group_size"],
-        temperature=values["temperature"],
-        max_tokens=values["max_tokens"],
-        minibatches_per_batch=minibatches,
+        groups_per_batch=gpb,
+        group_size=int(values["group_size"].value),
+        temperature=float(values["temperature"].value),
+        max_tokens=int(values["max_tokens"].value),
+        minibatches_per_batch=upb,
         eval_items=spec.eval.n_examples,
-        gate_pilot_steps=pilot,
+        gate_pilot_steps=int(pilot.value),
         decision_method=spec.decision_rule.method,
         alpha=spec.decision_rule.alpha,
         criteria=criteria,
         gate_checks=tuple(spec.activation_gate.checks),
+        stated={k: stated[k] for k in KEYS},
     )
 
 

@@ -18,12 +18,12 @@ from typing import TYPE_CHECKING, ParamSpec, TypeVar
 
 import pytest
 
-from dppo_harness import plans, project
+from dppo_harness import project
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.evidence.backend import served_name
+from dppo_harness.evidence.backend import SERVED_MODEL_UNAVAILABLE, Backend, served_name
 from dppo_harness.evidence.files import SERVER_DIR, STATE_ROOT
 from dppo_harness.evidence.progress import Watchdog
-from dppo_harness.evidence.session import start_session
+from dppo_harness.evidence.session import effective_config, start_session
 from dppo_harness.plans import BackendKind, Plan, load_plan
 from dppo_harness.pytest_plugin.hooks import OPTIONS_KEY, PLAN_KEY, STATE_KEY, HarnessOptions, session_connectivity
 from dppo_harness.service.config import sdk_versions
@@ -286,12 +286,17 @@ def client_base_model(connectivity: ConnectivityReport, plan: Plan) -> str:
     return connectivity.client_base_model(plan.base_model)
 
 
-def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient) -> plans.BackendInfo:
-    """plans.BackendInfo with the model `client`'s get_info names (the one served-model rule); never
+def backend_info(service_backend: ServiceBackend, plan: Plan, client: tinker.TrainingClient) -> Backend:
+    """The backend with the model `client`'s get_info names (the one served-model rule); never
     the requested name when it names none."""
     served = served_name(client.get_info().model_dump(mode="json"))
-    unavailable = plans.SERVED_MODEL_UNAVAILABLE + " (get_info named no model_data.model_name)"
-    return plans.BackendInfo(service_backend.kind, plan.base_model, served or unavailable, sdk_versions())
+    unavailable = SERVED_MODEL_UNAVAILABLE + " (get_info named no model_data.model_name)"
+    return Backend(
+        kind=service_backend.kind,
+        requested_model=plan.base_model,
+        served_model=served or unavailable,
+        sdk_versions=sdk_versions(),
+    )
 
 
 @pytest.fixture(scope="session")
@@ -352,7 +357,7 @@ def feasibility(
     arm_client = next(iter(verified_restoration.clients.values()))
     # The plan is projected at its own size on every backend: the stages run it as written. Time
     # already spent in this session is the budget ledger's business (evidence.budget_allows per stage).
-    eff = plans.effective_config(h.plan, backend_info(h.backend, h.plan, arm_client))
+    eff = effective_config(h.plan, backend_info(h.backend, h.plan, arm_client))
     from dppo_harness.stages import feasibility as feasibility_module  # lazy: see the module docstring
 
     with (

@@ -47,10 +47,10 @@ def make_loss(arm: ArmConfig, run: RunConfig) -> tuple[losses.CustomLossFn, ins.
 def rollout_config(run: RunConfig, seed: int) -> rollouts.RolloutConfig:
     """The plan's sampling settings for one rollout batch, from sampling seed `seed`."""
     return rollouts.RolloutConfig(
-        int(run.groups_per_batch.value),
-        int(run.group_size.value),
-        float(run.temperature.value),
-        int(run.max_tokens.value),
+        run.groups_per_batch,
+        run.group_size,
+        run.temperature,
+        run.max_tokens,
         seed=seed,
         max_seq_len=run.max_seq_len,
     )

@@ -68,13 +68,13 @@ def schedule_json(plan_kind: str, run: RunConfig) -> JsonObject:
         "plan_kind": plan_kind,
         "trained_arms": len(run.arms),
         "batches_per_arm": run.rollout_steps,
-        "groups_per_batch": int(run.groups_per_batch.value),
-        "group_size": int(run.group_size.value),
+        "groups_per_batch": run.groups_per_batch,
+        "group_size": run.group_size,
         "updates_per_batch": run.updates_per_batch,
         "sequences_per_update": sequences_per_update(run),
-        "max_tokens": int(run.max_tokens.value),
+        "max_tokens": run.max_tokens,
         "eval_items": planned_eval_items(run),
-        "temperature": float(run.temperature.value),
+        "temperature": run.temperature,
         "dataset": run.dataset,
         "arm_losses": [a.loss for a in run.arms],
         "seed": run.seed,
@@ -105,9 +105,7 @@ class PilotTimings:
     def arm_step_seconds(self, run: RunConfig) -> float:
         """One rollout batch of `run`: its groups sampled, then its updates."""
         per_group = self.sampling_seconds / self.sampled_groups
-        return per_group * int(run.groups_per_batch.value) + run.updates_per_batch * statistics.fmean(
-            self.update_seconds
-        )
+        return per_group * run.groups_per_batch + run.updates_per_batch * statistics.fmean(self.update_seconds)
 
     @property
     def seconds_per_eval_item(self) -> float | None:
@@ -413,7 +411,7 @@ def run_feasibility(
     )
     # For the budget ledger's per-stage check: the whole plan and the gate's pilot (its steps of
     # sampling + updates_per_batch updates), with the reserve.
-    gate_s = (timings.setup_seconds + int(run.gate_pilot_steps.value) * proj.arm_step_seconds) * (1 + RESERVE_FRACTION)
+    gate_s = (timings.setup_seconds + run.gate_pilot_steps * proj.arm_step_seconds) * (1 + RESERVE_FRACTION)
     record = {
         "schedule": schedule,
         "timings": asdict(timings),

@@ -239,7 +239,7 @@ def run_activation_gate(
     if run is None:
         raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
     arm = pilot_arm(plan.name, run)
-    steps = int(run.gate_pilot_steps.value)
+    steps = run.gate_pilot_steps
     rollout_cfg = rollout_config(run, arm.seed)  # every pilot step samples from the arm's seed
     loss = make_loss(arm, run)
     reached: list[ArmStepProgress] = []  # how far each step got: what the pilot measured is kept when it stops early

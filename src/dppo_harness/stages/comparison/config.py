@@ -51,4 +51,4 @@ def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[A
 
 def step_seed(run: RunConfig, step: int) -> int:
     """Sampling seed base of a rollout step: the same for both arms, distinct across steps."""
-    return run.seed + step * int(run.groups_per_batch.value)
+    return run.seed + step * run.groups_per_batch

@@ -47,7 +47,7 @@ def frozen_evaluator(plan: Plan, bundle: EvidenceBundle, *, embedded: bool) -> e
     reason = eval_subset_reason(plan, embedded=embedded, n=run.eval_items) if n else None
     items, deviation = evaluation.select_items(test, n, reason)
     evaluator = evaluation.freeze_evaluator(
-        items, tokenizer.make_renderer(), max_tokens=int(run.max_tokens.value), deviation=deviation
+        items, tokenizer.make_renderer(), max_tokens=run.max_tokens, deviation=deviation
     )
     if evaluator.deviation:
         d = evaluator.deviation
@@ -91,7 +91,7 @@ def evaluate_and_decide(
         },
     )
     comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in run.criteria]
-    max_tokens, n = int(run.max_tokens.value), len(evaluator.items)
+    max_tokens, n = run.max_tokens, len(evaluator.items)
     scores: list[JsonObject] = []
     arm_results: list[evaluation.EvalResult] = []
     t0 = time.perf_counter()

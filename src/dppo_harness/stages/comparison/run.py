@@ -206,7 +206,7 @@ def run_comparison(
                     progress(
                         f"[comparison] training rollout step {step + 1} of {run.rollout_steps} ({', '.join(a.name for a in run.arms)})"
                     )
-                    items = train.batch(step, int(run.groups_per_batch.value))
+                    items = train.batch(step, run.groups_per_batch)
                     # arm after arm, each committed before the next starts (after a stop, one may be a step ahead)
                     for name in [a.name for a in run.arms if state.arms[a.name].steps_done <= step]:
                         arms.commit(name, arms.step_with_retry(name, step, items, renderer, call), tracker)
@@ -270,7 +270,7 @@ def run_comparison(
             list(scores),
             decision,
             backend,
-            max_tokens=int(run.max_tokens.value),
+            max_tokens=run.max_tokens,
             resume=resume,
         ).values()
         final = _final(plan, bundle, steps_completed, scores=scores, decision=decision, rehearsal=rehearsal)
