@@ -14,6 +14,7 @@ import pytest
 from child_pids import live_child_pids
 from run_env import harness_env, is_run_variable
 
+from dppo_harness.local_server.http import handlers
 from dppo_harness.local_server.process import LocalServerProcess
 
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -49,6 +50,14 @@ def _without_run_variables(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in [k for k in os.environ if is_run_variable(k)]:
         monkeypatch.delenv(name)
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
+
+
+@pytest.fixture
+def short_unload_drain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An in-process server's unload waits 1 s, not 10, for a request a fault holds forever: the
+    unload still frees the model after its drain, and the tests that hold a request do not sleep
+    through the server's 10 s at every release."""
+    monkeypatch.setattr(handlers, "UNLOAD_DRAIN_S", 1.0)
 
 
 def _shared(tmp_path_factory: pytest.TempPathFactory, name: str, model: str | None) -> Iterator[LocalServerProcess]:

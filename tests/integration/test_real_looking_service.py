@@ -10,10 +10,11 @@ that service.
 - `-m diagnostic --backend tinker` under the diagnostic plan's launch (the CI-size plan,
   tests/fixtures/plans/diagnostic-ci-short.json): passes, no stage refused, the bundle verifies;
 - `-m comparison --backend tinker` under a CI-size rehearsal plan whose launch authorizes the gate
-  and the comparison (tests/fixtures/plans/comparison-ci-launch.json, max_tokens 64): neither stage
+  and the comparison (tests/fixtures/plans/comparison-ci-launch.json, max_tokens 16): neither stage
   refused, the gate pilot trains; get_info names the stand-in, so the spec's executed_base_model
-  check fails the gate, and the run ends with a bundle that verifies, failed at the gate (through
-  the comparison's decision were the gate to pass).
+  check fails the gate (at any sampling size, so the pilot samples few tokens), and the run ends
+  with a bundle that verifies, failed at the gate (through the comparison's decision were the gate
+  to pass).
 """
 
 from __future__ import annotations
@@ -49,13 +50,13 @@ ALLOWED_SKIP = "feasibility is measured by the diagnostic itself"  # a diagnosti
 
 # The first model creation waits this long, as on a trainer that starts cold. A wait is posted to
 # result.json once it outlasts a fifth of the capacity patience (service/wait/policy.py), so the
-# diagnostic runs with CAPACITY_PATIENCE_S: its cold start is then posted after 8 s and waited out
+# diagnostic runs with CAPACITY_PATIENCE_S: its cold start is then posted after 3 s and waited out
 # well inside the patience, instead of a cold start past the default patience's 60 s posting mark.
 # Short, because CI sleeps through it.
-COLD_START_S = 10
-CAPACITY_PATIENCE_S = 40
+COLD_START_S = 4
+CAPACITY_PATIENCE_S = 15
 # No creation ever gets a slot in the capacity-block test: this patience is all the run waits.
-BLOCK_PATIENCE_S = 15
+BLOCK_PATIENCE_S = 5
 
 
 @contextmanager
@@ -215,6 +216,7 @@ def test_every_creation_pending_ends_in_a_capacity_block(plans, tmp_path):
     assert f"--capacity-patience-s={BLOCK_PATIENCE_S}" in proc.stdout
 
 
+@pytest.mark.usefixtures("short_unload_drain")
 def test_a_lost_model_stops_the_diagnostic_naming_it(plans, tmp_path):
     """The trainer behind a model dies at its 6th forward_backward: Spindle answers 410 model_lost.
     The run stops by itself in one line naming the model, failed, and its bundle verifies."""

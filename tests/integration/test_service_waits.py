@@ -108,6 +108,7 @@ def _waited_session(engine, faults, policy):
             sc.release(30)
 
 
+@pytest.mark.usefixtures("short_unload_drain")
 def test_queue_pauses_and_hangs_reach_the_waiter_through_the_sdks_observers(engine, monkeypatch):
     """Each creation path and a training call, against the server's queue faults: the pause is
     seen with the server's own reason (in the line the SDK's observer logs), a hang is a hang."""
@@ -185,6 +186,7 @@ def test_sdk_telemetry_is_off_by_default_so_no_credential_reaches_it(engine, mon
     assert default == [] and not [m for body in default for m in scanner.find(body)]
 
 
+@pytest.mark.usefixtures("short_unload_drain")
 @pytest.mark.timeout(90)
 def test_a_queue_position_that_moves_every_poll_is_one_pause_given_up_in_time(engine, monkeypatch):
     """The server rewords the pause at every poll (a queue position): one pause, with the service's

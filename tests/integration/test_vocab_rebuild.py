@@ -1,49 +1,43 @@
 """The restricted vocabulary rebuilds from the vendored GSM8K to exactly the shipped asset.
 
 The full rebuild tokenizes and renders all 8,792 GSM8K rows: about 21 s of CPU (100 s wall on
-a busy 2-core machine).
+a busy 2-core machine). The CLI's `main` runs in this process (`python -m` adds only an
+interpreter, torch and tokenizer start-up to what is checked: exit code and output).
 """
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
+
+import pytest
 
 from dppo_harness.local_server import vocab
 
-SRC = Path(vocab.__file__).resolve().parents[2]
+
+def _cli(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    """`python -m dppo_harness.local_server.vocab ARGS`: (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    rc = vocab.main(list(args))
+    out = capsys.readouterr()
+    return rc, out.out, out.err
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(SRC), TINKER_TELEMETRY="0")
-    return subprocess.run(
-        [sys.executable, "-m", "dppo_harness.local_server.vocab", *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=900,
-    )
-
-
-def test_rebuild_matches_the_shipped_vocabulary(tmp_path):
+def test_rebuild_matches_the_shipped_vocabulary(tmp_path, capsys):
     out = tmp_path / "vocab.json"
-    res = _cli("--check", "--out", str(out))
-    assert res.returncode == 0, res.stdout + res.stderr
+    rc, stdout, stderr = _cli(capsys, "--check", "--out", str(out))
+    assert rc == 0, stdout + stderr
     shipped = json.loads(vocab.ASSET_PATH.read_text())
     rebuilt = json.loads(out.read_text())
     assert rebuilt["sha256"] == shipped["sha256"] and rebuilt["real_ids"] == shipped["real_ids"]
-    assert "matches the shipped" in res.stdout
+    assert "matches the shipped" in stdout
 
 
-def test_check_fails_when_the_rebuild_differs(tmp_path):
+def test_check_fails_when_the_rebuild_differs(tmp_path, capsys):
     data = tmp_path / "gsm8k"
     data.mkdir()
     for split in ("train", "test"):
         rows = (vocab.DATA_DIR / f"{split}.jsonl").read_text().splitlines()[:2]
         (data / f"{split}.jsonl").write_text("\n".join(rows) + "\n")
-    res = _cli("--check", "--data", str(data))
-    assert res.returncode == 1 and "MISMATCH" in res.stderr, res.stdout + res.stderr
+    rc, stdout, stderr = _cli(capsys, "--check", "--data", str(data))
+    assert rc == 1 and "MISMATCH" in stderr, stdout + stderr
 
 
 def test_prompt_is_the_cookbook_math_env_prompt():
