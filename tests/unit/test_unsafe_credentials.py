@@ -28,11 +28,12 @@ def test_short_and_known_values_are_refused_and_fresh_ones_pass(tmp_path):
         "RUNS_PROXY_TOKEN_ID": _fresh("wk-"),
     }
     got = unsafe_credentials(env, files, root=tmp_path)
-    assert [u.variable for u in got] == ["TINKER_API_KEY", "MODAL_PROXY_TOKEN_ID", "MODAL_PROXY_TOKEN_SECRET"]
-    assert "notes.txt" in got[0].reason and "data.b64" in got[2].reason
-    assert f"shorter than {MIN_SECRET_LENGTH} characters" in got[1].reason
-    for u in got:
-        assert env[u.variable] not in u.line() and u.line().startswith(f"{u.variable}: credential value refused")
+    names = ["TINKER_API_KEY", "MODAL_PROXY_TOKEN_ID", "MODAL_PROXY_TOKEN_SECRET"]
+    assert [line.split(":")[0] for line in got] == names
+    assert "notes.txt" in got[0] and "data.b64" in got[2]
+    assert f"shorter than {MIN_SECRET_LENGTH} characters" in got[1]
+    for name, line in zip(names, got, strict=True):
+        assert env[name] not in line and line.startswith(f"{name}: credential value refused")
     assert unsafe_credentials({"TINKER_API_KEY": _fresh("tml-")}, files, root=tmp_path) == []
     assert unsafe_credentials({}, files) == []
 
@@ -90,9 +91,8 @@ def test_every_credential_named_variable_is_scanned_and_only_the_harness_ones_re
     with pytest.raises(Exception, match="HF_TOKEN"):
         scanner_for(env).check(blob, "a log")
     # a short credential of another tool is not the harness's to refuse; its own are
-    assert [u.variable for u in unsafe_credentials({**env, "CLOUDFLARE_ACCESS_CLIENT_ID": "x"}, [])] == [
-        "CLOUDFLARE_ACCESS_CLIENT_ID"
-    ]
+    (line,) = unsafe_credentials({**env, "CLOUDFLARE_ACCESS_CLIENT_ID": "x"}, [])
+    assert line.startswith("CLOUDFLARE_ACCESS_CLIENT_ID: ")
 
 
 def test_the_embedded_server_gets_no_credential_it_does_not_check():

@@ -185,7 +185,7 @@ def _refuse_unsafe_credentials() -> None:
         files = archived_paths(root, (project.PACKAGE_DIR.name,))
     problems = unsafe_credentials(None, files, root=root)
     if problems:
-        raise pytest.UsageError("; ".join(p.line() for p in problems))
+        raise pytest.UsageError("; ".join(problems))
 
 
 def _resolve_options(config: pytest.Config, state: StageState) -> HarnessOptions:

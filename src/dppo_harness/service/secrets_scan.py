@@ -174,33 +174,19 @@ def scanner_for(env: Mapping[str, str] | None = None) -> SecretScanner:
     return SecretScanner(live_secret_items(env))
 
 
-@dataclass(frozen=True)
-class UnsafeCredential:
-    """A credential value the evidence scan cannot guard (reported by variable, never by value)."""
-
-    variable: str
-    reason: str
-
-    def line(self) -> str:
-        return f"{self.variable}: credential value refused: {self.reason}"
-
-
-def unsafe_credentials(
-    env: Mapping[str, str] | None, files: Iterable[Path], *, root: Path | None = None
-) -> list[UnsafeCredential]:
-    """Credential values that would make the evidence scan fail or mean nothing: shorter than
-    MIN_SECRET_LENGTH, or present (in any encoding the scan looks for) in one of `files`, the
-    harness's own files, which reach the evidence as plans, patches, copies and the code archive.
-    Each file is read once; `root` shortens the file named in the reason."""
-    out, long_enough = [], []
-    for name, value in held_secret_items(env):
+def unsafe_credentials(env: Mapping[str, str] | None, files: Iterable[Path], *, root: Path | None = None) -> list[str]:
+    """One line per credential value that would make the evidence scan fail or mean nothing (named by
+    variable, never by value): shorter than MIN_SECRET_LENGTH, or present (in any encoding the scan
+    looks for) in one of `files`, the harness's own files, which reach the evidence as plans, patches,
+    copies and the code archive. Each file is read once; `root` shortens the file named."""
+    held, refused, long_enough = held_secret_items(env), {}, []
+    short = f"shorter than {MIN_SECRET_LENGTH} characters, too short to scan the evidence for (set the real credential)"
+    for name, value in held:
         if len(value.strip()) < MIN_SECRET_LENGTH:
-            why = f"shorter than {MIN_SECRET_LENGTH} characters, too short to scan the evidence for"
-            out.append(UnsafeCredential(name, f"{why} (set the real credential)"))
+            refused[name] = short
         else:
             long_enough.append((name, value))
     scanner = SecretScanner(long_enough)
-    found: dict[str, str] = {}
     for path in map(Path, files if long_enough else ()):
         try:
             data = path.read_bytes()
@@ -208,10 +194,11 @@ def unsafe_credentials(
             continue
         shown = path.relative_to(root) if root and Path(root) in path.parents else path.name
         for m in scanner.find(data):
-            found.setdefault(m.label, str(shown))
-        if len(found) == len(long_enough):
+            refused.setdefault(
+                m.label,
+                f"its value occurs in the harness's own files ({shown}), so the evidence scan would block them "
+                "(a placeholder? set the real credential)",
+            )
+        if len(refused) == len(held):
             break
-    for name, where in found.items():
-        why = f"its value occurs in the harness's own files ({where}), so the evidence scan would block them"
-        out.append(UnsafeCredential(name, f"{why} (a placeholder? set the real credential)"))
-    return sorted(out, key=lambda u: SECRET_ENV_VARS.index(u.variable))
+    return [f"{name}: credential value refused: {refused[name]}" for name in SECRET_ENV_VARS if name in refused]
