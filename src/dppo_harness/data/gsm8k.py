@@ -175,7 +175,6 @@ class Graded:
     format_ok: bool
     correct: bool
     content: str  # parsed assistant text (what the grader read)
-    stop_sequence: bool  # ended with the renderer's stop token
     answer_found: bool  # a \\boxed{} answer is in `content` (math_grading.extract_boxed finds one)
 
 
@@ -184,14 +183,13 @@ def grade_response(item: Gsm8kItem, renderer: renderers.Renderer, response_token
     env = make_env(item, renderer)
     tokens = [int(t) for t in response_tokens]
     result = _run_ready(env.step(tokens))
-    message, termination = renderer.parse_response(tokens)
+    message, _ = renderer.parse_response(tokens)
     content = renderers.get_text_content(message)
     return Graded(
         reward=float(result.reward),
         format_ok=bool(result.metrics["format"]),
         correct=bool(result.metrics["correct"]),
         content=content,
-        stop_sequence=bool(termination.is_stop_sequence),
         answer_found=boxed_answer(content) is not None,
     )
 
