@@ -15,7 +15,7 @@ import json
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, NotRequired, TypedDict, TypeVar, get_args
+from typing import Literal, NotRequired, TypedDict, TypeVar
 
 import tinker
 from tinker_cookbook import renderers
@@ -27,7 +27,6 @@ from dppo_harness.data.sha256sums import DATA_DIR, DataIntegrityError, pinned_sh
 from dppo_harness.json_types import JsonObject
 
 Split = Literal["train", "test"]
-SPLITS: tuple[Split, ...] = get_args(Split)
 EXPECTED_ROWS = DATASETS["gsm8k"].split_sizes  # the rows of the upstream release, as registered
 
 
@@ -66,9 +65,6 @@ class Gsm8kSplit:
             raise IndexError(f"step {step} with {groups_per_batch} groups is past the end ({len(self.items)} rows)")
         return self.items[start:end]
 
-    def by_id(self) -> dict[str, Gsm8kItem]:
-        return {it.item_id: it for it in self.items}
-
 
 def item_id(split: Split, index: int) -> str:
     return f"gsm8k-{split}-{index:04d}"
@@ -90,8 +86,6 @@ def _parse_rows(data: bytes, origin: str) -> list[Gsm8kRow]:
 
 def load_rows(split: Split, *, data_dir: Path = DATA_DIR) -> tuple[list[Gsm8kRow], JsonObject]:
     """The vendored rows in ORIGINAL order plus provenance; the file's sha256 must be the pinned one."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     expected = pinned_sha256(split, data_dir)
     path = data_dir / f"{split}.jsonl"
     data = path.read_bytes()
