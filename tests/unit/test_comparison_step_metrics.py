@@ -39,7 +39,7 @@ def _tiny_batch():
         graded = tuple(Graded(r, r > -0.1, r > 0.5, "", r > -0.1) for r in rewards)
         groups.append(
             rollouts.SampledGroup(
-                g, item, (1, 2, 3), ((4, 5), (6, 7, 8)), ((0.0, 0.0), (0.0, 0.0, 0.0)), ("stop", "length"), graded, None
+                g, item, (1, 2, 3), ((4, 5), (6, 7, 8)), ((0.0, 0.0), (0.0, 0.0, 0.0)), ("stop", "length"), graded
             )
         )
     cfg = rollouts.RolloutConfig(groups_per_batch=2, group_size=2, temperature=1.0, max_tokens=3)

@@ -25,9 +25,7 @@ def make_rollout_batch(n_groups=32, group_size=8, seed=0):
             r = float(rng.choice([1.0, 0.9, 0.0, -0.1]))
             graded.append(Graded(r, r in (1.0, 0.0), r > 0.5, "", r > 0.5))
         groups.append(
-            rollouts.SampledGroup(
-                g, item, prompt, tuple(responses), tuple(lps), ("stop",) * group_size, tuple(graded), None
-            )
+            rollouts.SampledGroup(g, item, prompt, tuple(responses), tuple(lps), ("stop",) * group_size, tuple(graded))
         )
     cfg = rollouts.RolloutConfig(groups_per_batch=n_groups, group_size=group_size, temperature=1.0, max_tokens=16)
     return rollouts.RolloutBatch(
