@@ -76,7 +76,6 @@ def _batch(bundle, texts_and_reasons):
         tuple((0.0,) * len(r) for r in responses),
         tuple(reasons),
         tuple(graded),
-        None,
     )
     cfg = rollouts.RolloutConfig(groups_per_batch=1, group_size=len(responses), temperature=1.0, max_tokens=16)
     return rollouts.RolloutBatch(

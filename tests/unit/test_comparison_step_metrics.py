@@ -36,10 +36,10 @@ def _tiny_batch():
     item = Gsm8kItem("gsm8k-train-0000", "train", 0, "q", "s #### 1", "1")
     groups = []
     for g, rewards in enumerate(([1.0, 0.0], [-0.1, -0.1])):
-        graded = tuple(Graded(r, r > -0.1, r > 0.5, "", True, r > -0.1) for r in rewards)
+        graded = tuple(Graded(r, r > -0.1, r > 0.5, "", r > -0.1) for r in rewards)
         groups.append(
             rollouts.SampledGroup(
-                g, item, (1, 2, 3), ((4, 5), (6, 7, 8)), ((0.0, 0.0), (0.0, 0.0, 0.0)), ("stop", "length"), graded, None
+                g, item, (1, 2, 3), ((4, 5), (6, 7, 8)), ((0.0, 0.0), (0.0, 0.0, 0.0)), ("stop", "length"), graded
             )
         )
     cfg = rollouts.RolloutConfig(groups_per_batch=2, group_size=2, temperature=1.0, max_tokens=3)

@@ -23,11 +23,9 @@ def make_rollout_batch(n_groups=32, group_size=8, seed=0):
             responses.append(tuple(int(t) for t in rng.integers(0, 1000, R)))
             lps.append(tuple(float(x) for x in np.log(rng.uniform(0.05, 1.0, R)).astype(np.float32)))
             r = float(rng.choice([1.0, 0.9, 0.0, -0.1]))
-            graded.append(Graded(r, r in (1.0, 0.0), r > 0.5, "", True, r > 0.5))
+            graded.append(Graded(r, r in (1.0, 0.0), r > 0.5, "", r > 0.5))
         groups.append(
-            rollouts.SampledGroup(
-                g, item, prompt, tuple(responses), tuple(lps), ("stop",) * group_size, tuple(graded), None
-            )
+            rollouts.SampledGroup(g, item, prompt, tuple(responses), tuple(lps), ("stop",) * group_size, tuple(graded))
         )
     cfg = rollouts.RolloutConfig(groups_per_batch=n_groups, group_size=group_size, temperature=1.0, max_tokens=16)
     return rollouts.RolloutBatch(

@@ -15,7 +15,7 @@ import json
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, NotRequired, TypedDict, TypeVar, get_args
+from typing import Literal, NotRequired, TypedDict, TypeVar
 
 import tinker
 from tinker_cookbook import renderers
@@ -27,7 +27,6 @@ from dppo_harness.data.sha256sums import DATA_DIR, DataIntegrityError, pinned_sh
 from dppo_harness.json_types import JsonObject
 
 Split = Literal["train", "test"]
-SPLITS: tuple[Split, ...] = get_args(Split)
 EXPECTED_ROWS = DATASETS["gsm8k"].split_sizes  # the rows of the upstream release, as registered
 
 
@@ -66,9 +65,6 @@ class Gsm8kSplit:
             raise IndexError(f"step {step} with {groups_per_batch} groups is past the end ({len(self.items)} rows)")
         return self.items[start:end]
 
-    def by_id(self) -> dict[str, Gsm8kItem]:
-        return {it.item_id: it for it in self.items}
-
 
 def item_id(split: Split, index: int) -> str:
     return f"gsm8k-{split}-{index:04d}"
@@ -90,8 +86,6 @@ def _parse_rows(data: bytes, origin: str) -> list[Gsm8kRow]:
 
 def load_rows(split: Split, *, data_dir: Path = DATA_DIR) -> tuple[list[Gsm8kRow], JsonObject]:
     """The vendored rows in ORIGINAL order plus provenance; the file's sha256 must be the pinned one."""
-    if split not in SPLITS:
-        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
     expected = pinned_sha256(split, data_dir)
     path = data_dir / f"{split}.jsonl"
     data = path.read_bytes()
@@ -175,7 +169,6 @@ class Graded:
     format_ok: bool
     correct: bool
     content: str  # parsed assistant text (what the grader read)
-    stop_sequence: bool  # ended with the renderer's stop token
     answer_found: bool  # a \\boxed{} answer is in `content` (math_grading.extract_boxed finds one)
 
 
@@ -184,14 +177,13 @@ def grade_response(item: Gsm8kItem, renderer: renderers.Renderer, response_token
     env = make_env(item, renderer)
     tokens = [int(t) for t in response_tokens]
     result = _run_ready(env.step(tokens))
-    message, termination = renderer.parse_response(tokens)
+    message, _ = renderer.parse_response(tokens)
     content = renderers.get_text_content(message)
     return Graded(
         reward=float(result.reward),
         format_ok=bool(result.metrics["format"]),
         correct=bool(result.metrics["correct"]),
         content=content,
-        stop_sequence=bool(termination.is_stop_sequence),
         answer_found=boxed_answer(content) is not None,
     )
 

@@ -26,26 +26,15 @@ import torch
 
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import losses
-from dppo_harness.loss.losses import CustomLossFn
+from dppo_harness.loss.losses import CustomLossFn, PackedInputs
 from dppo_harness.loss.terms import LossStats, TokenTerms, stats
 
 RECORD_FORMAT = "dppo-harness/loss-call-record/v1"
 META_KEY = "__record_meta__"
 
-# Tensor fields persisted per call (packed over the call's N target positions, S sequences).
-TENSOR_FIELDS: tuple[str, ...] = (
-    "logprobs_N",  # current trainer logprobs as the loss received them
-    "sampler_logprobs_N",
-    "advantages_N",
-    "mask_N",
-    "target_tokens_N",
-    "first_token_S",  # model_input[0]: with target_tokens it rebuilds every full sequence
-    "lengths_S",
-    "dppo_keep_N",
-    "ppo_clipped_N",
-    "ratio_cap_hit_N",
-)
 DECISION_FIELDS: tuple[str, ...] = ("dppo_keep_N", "ppo_clipped_N", "ratio_cap_hit_N")
+# Tensors persisted per call: the current logprobs as the loss received them, the packed inputs, the decisions.
+TENSOR_FIELDS = ("logprobs_N", *(f.name for f in dataclasses.fields(PackedInputs)), *DECISION_FIELDS)
 
 
 @dataclass

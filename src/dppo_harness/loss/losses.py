@@ -68,13 +68,6 @@ class PackedInputs:
     first_token_S: np.ndarray  # model_input[0] (-1 for an empty input): with target_tokens it rebuilds every sequence
     lengths_S: np.ndarray  # int64, T of each datum
 
-    def as_float64(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Float64 copies of (sampler logprobs, advantages, mask), never views of the datums."""
-        mu, adv, mask = (
-            torch.from_numpy(x.astype(np.float64)) for x in (self.sampler_logprobs_N, self.advantages_N, self.mask_N)
-        )
-        return mu, adv, mask
-
 
 def unpack_datums(data: Sequence[tinker.Datum]) -> PackedInputs:
     """Concatenate target tokens, sampler logprobs, advantages and mask of all datums (each 1-D,
@@ -270,7 +263,9 @@ class PackedLoss:
     ) -> tuple[PackedInputs, LossCall]:
         inputs = unpack_datums(data)
         logprobs_N = _concat_logprobs(logprobs_list, inputs.lengths_S)
-        call = packed_loss_call(logprobs_N, *inputs.as_float64(), self.loss_config)
+        columns = (inputs.sampler_logprobs_N, inputs.advantages_N, inputs.mask_N)
+        mu_N, adv_N, mask_N = (torch.from_numpy(x.astype(np.float64)) for x in columns)  # copies, never views
+        call = packed_loss_call(logprobs_N, mu_N, adv_N, mask_N, self.loss_config)
         if not call.loss.requires_grad:
             # No gradient-bearing token (or no logprob requires grad): still give every tensor a grad.
             call = replace(call, loss=call.loss + sum((lp * 0.0).sum() for lp in logprobs_list if lp.requires_grad))

@@ -173,7 +173,6 @@ class FrozenBatch:
         sampler_checkpoint: str,
         sampler_version: str | None = None,
         extra_metadata: Mapping[str, JsonValue] | None = None,
-        created_at: str | None = None,
     ) -> FrozenBatch:
         """Freeze cookbook-layout datums (``target_tokens``, ``logprobs``, ``advantages``, ``mask``)."""
         if not (len(datums) == len(rewards_S) == len(group_ids_S) == len(item_ids_S)):
@@ -203,7 +202,7 @@ class FrozenBatch:
             "sampler_checkpoint": sampler_checkpoint,
             "sampler_version": sampler_version,
             "dtype": FLOAT_DTYPE.name,
-            "created_at": created_at or _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds"),
+            "created_at": _dt.datetime.now(_dt.UTC).isoformat(timespec="microseconds"),
             **dict(extra_metadata or {}),
         }
         arrays: dict[str, np.ndarray] = {

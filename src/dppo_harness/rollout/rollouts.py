@@ -58,7 +58,6 @@ class SampledGroup:
     logprobs: tuple[tuple[float, ...], ...]  # [G][R_g] sampler log-prob of each sampled token
     stop_reasons: tuple[str, ...]
     graded: tuple[Graded, ...]
-    seed: int | None
 
     @property
     def rewards_G(self) -> list[float]:
@@ -239,7 +238,6 @@ def _graded_group(
         logprobs=tuple(logprobs),
         stop_reasons=tuple(str(seq.stop_reason) for seq in res.sequences),
         graded=tuple(grade_response(item, renderer, r) for r in responses),
-        seed=None if cfg.seed is None else cfg.seed + g,
     )
 
 

@@ -26,17 +26,6 @@ import torch
 from safetensors.torch import load as load_safetensors
 
 
-def update_norm_from_tensors(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
-    """L2 norm of the parameter change over the union of tensor names (float64)."""
-    if set(before) != set(after):
-        raise ValueError(f"tensor names differ: {sorted(set(before) ^ set(after))[:5]}")
-    total = 0.0
-    for name in sorted(before):
-        d = after[name].to(torch.float64) - before[name].to(torch.float64)
-        total += float((d * d).sum())
-    return math.sqrt(total)
-
-
 class ArchiveUrls(Protocol):
     """The part of the SDK's RestClient this measure uses."""
 
@@ -92,7 +81,10 @@ class ExternalWeightsUpdateNorm:
         apply_update()
         try:
             after = self.read(client, f"lr-probe-{self._n}-after")
-            return update_norm_from_tensors(before, after)
+            if set(before) != set(after):
+                raise ValueError(f"tensor names differ: {sorted(set(before) ^ set(after))[:5]}")
+            # float64 L2 norm of the parameter change over every tensor
+            return math.sqrt(sum(float(((after[k].double() - before[k].double()) ** 2).sum()) for k in sorted(before)))
         except Exception as exc:
             self.last_error = f"reading weights after the update failed: {type(exc).__name__}: {exc}"[:500]
             return None
