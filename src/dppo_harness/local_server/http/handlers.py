@@ -35,7 +35,6 @@ from dppo_harness.local_server.http.state import (
     ModelEntry,
     Outcome,
     ServerState,
-    SessionEntry,
     error_json,
     future_json,
     parse_body,
@@ -97,13 +96,13 @@ async def client_dynamic_config(request: web.Request) -> web.Response:
 async def create_session(request: web.Request) -> web.Response:
     await parse_body(request, types.CreateSessionRequest)
     session_id = str(uuid.uuid4())
-    request.app[STATE_KEY].sessions[session_id] = SessionEntry(time.time())
+    request.app[STATE_KEY].sessions[session_id] = time.time()
     return ok(types.CreateSessionResponse(session_id=session_id))
 
 
 async def session_heartbeat(request: web.Request) -> web.Response:
     req = await parse_body(request, types.SessionHeartbeatRequest)
-    request.app[STATE_KEY].session(req.session_id).last_heartbeat = time.time()
+    request.app[STATE_KEY].session(req.session_id, heartbeat=True)
     return ok(types.SessionHeartbeatResponse())
 
 
