@@ -322,7 +322,6 @@ def test_deployments_capabilities_and_client_config(spindle, engine):
 def test_default_profile_keeps_its_routes_and_has_no_deployments(engine):
     with InProcessServer(engine) as srv:
         assert httpx.get(srv.base_url + f"{API}/spindle/deployments").status_code == 404
-        assert httpx.get(srv.base_url + f"{API}/checkpoints").status_code == 200
         assert httpx.post(srv.base_url + f"{API}/cancel_future", json={"request_id": "x"}).status_code == 404
         caps = httpx.get(srv.base_url + f"{API}/get_server_capabilities").json()
         assert [m["model_name"] for m in caps["supported_models"]] == [constants.BASE_MODEL, STAND_IN]

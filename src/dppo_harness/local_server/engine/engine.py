@@ -29,6 +29,7 @@ import numpy as np
 import torch
 import transformers
 from tinker import types
+from torch.nn.utils.rnn import pad_sequence
 
 from dppo_harness.constants import BASE_MODEL
 from dppo_harness.data.tokenizer import TmlQwen35Tokenizer
@@ -304,16 +305,10 @@ class Engine:
 
     def _logprobs_mb(self, net: peft.PeftModel, items: Items, idx: list[int]) -> list[torch.Tensor]:
         lens = [int(items[i][0].numel()) for i in idx]
-        Tm = max(lens)
-        ids_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
-        tgt_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
-        mask_BT = torch.zeros((len(idx), Tm), dtype=torch.int64)
-        for b, i in enumerate(idx):
-            L = lens[b]
-            ids_BT[b, :L] = items[i][0]
-            tgt_BT[b, :L] = items[i][1]["target_tokens"]
-            mask_BT[b, :L] = 1
-        kw = {"attention_mask": mask_BT} if min(lens) != Tm else {}
+        ids_BT = pad_sequence([items[i][0] for i in idx], batch_first=True)  # right padding with 0
+        tgt_BT = pad_sequence([items[i][1]["target_tokens"] for i in idx], batch_first=True)
+        mask_BT = pad_sequence([torch.ones_like(items[i][0]) for i in idx], batch_first=True)
+        kw = {"attention_mask": mask_BT} if min(lens) != max(lens) else {}
         causal = net.get_base_model()
         assert isinstance(causal, transformers.PreTrainedModel)  # the Qwen3 causal LM under the peft wrapper
         head = causal.get_output_embeddings()  # a plain or LoRA float32 Linear in every preset: fusable

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 import transformers
+from torch.nn.utils.rnn import pad_sequence
 
 from dppo_harness.data.sha256sums import DataIntegrityError, pinned_sha256
 from dppo_harness.local_server.engine import model
@@ -184,15 +185,8 @@ class _PaddedBatch:
 
 
 def _padded_batch(batch: list[tuple[torch.Tensor, torch.Tensor]]) -> _PaddedBatch:
-    B, T = len(batch), max(int(t.numel()) for t, _ in batch) - 1
-    ids = torch.zeros((B, T), dtype=torch.int64)
-    tgt = torch.zeros((B, T), dtype=torch.int64)
-    wts = torch.zeros((B, T), dtype=torch.float32)
-    att = torch.zeros((B, T), dtype=torch.int64)
-    for b, (t, w) in enumerate(batch):
-        L = int(t.numel()) - 1
-        ids[b, :L], tgt[b, :L], wts[b, :L], att[b, :L] = t[:-1], t[1:], w[1:], 1
-    return _PaddedBatch(ids, tgt, wts, att)
+    columns = zip(*((t[:-1], t[1:], w[1:], torch.ones_like(t[1:])) for t, w in batch))
+    return _PaddedBatch(*(pad_sequence(list(c), batch_first=True) for c in columns))  # right padding with 0
 
 
 def _batch_loss(net: transformers.Qwen3ForCausalLM, batch: _PaddedBatch, vocab_size: int) -> torch.Tensor:

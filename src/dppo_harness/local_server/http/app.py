@@ -65,15 +65,12 @@ def build_app(state: ServerState) -> web.Application:
         "healthz": "healthz",
         "get_server_capabilities": "get_server_capabilities",
         "get_sampler": "samplers/{sampler_id}",
-        "list_training_runs": "training_runs",
         "get_training_run": "training_runs/{model_id}",
         "list_checkpoints": "training_runs/{model_id}/checkpoints",
     }
     if is_spindle:  # Spindle's own routes
         gets["deployments"] = "spindle/deployments"
         gets["checkpoint_archive"] = "training_runs/{model_id}/checkpoints/{checkpoint_id:.+}/archive"
-    else:  # the SDK's REST reads Spindle lacks: the session read, the user-wide checkpoint list
-        gets |= {"get_session": "sessions/{session_id}", "list_user_checkpoints": "checkpoints"}
     for name, path in posts.items():
         app.router.add_post(f"{API}/{path}", getattr(handlers, name), name=name)
     for name, path in gets.items():

@@ -35,21 +35,12 @@ class ProtocolError(Exception):
 
 
 def decode_tensor(msg: pb.Tensor) -> np.ndarray:
-    if msg.dtype not in _PB_TO_NP:
-        raise ProtocolError(f"unsupported tensor dtype enum {msg.dtype}")
-    values = np.frombuffer(msg.sparse_csr.values if msg.HasField("sparse_csr") else msg.dense, _PB_TO_NP[msg.dtype])
+    """A dense tensor. The SDK sends sparse CSR only for 2-D `target_tokens`/`weights` (top-k
+    targets), which no loss here takes: refused."""
+    if msg.dtype not in _PB_TO_NP or msg.HasField("sparse_csr"):
+        raise ProtocolError(f"unsupported tensor (dtype enum {msg.dtype}, sparse {msg.HasField('sparse_csr')})")
+    arr = np.frombuffer(msg.dense, _PB_TO_NP[msg.dtype]).copy()
     shape = list(msg.shape)
-    if msg.HasField("sparse_csr"):
-        if len(shape) != 2:
-            raise ProtocolError(f"sparse CSR tensor needs a 2-D shape, got {shape}")
-        crow = np.frombuffer(msg.sparse_csr.crow_indices, dtype=np.int64)
-        col = np.frombuffer(msg.sparse_csr.col_indices, dtype=np.int64)
-        dense = np.zeros(shape, dtype=values.dtype)
-        for row in range(shape[0]):
-            lo, hi = int(crow[row]), int(crow[row + 1])
-            dense[row, col[lo:hi]] = values[lo:hi]
-        return dense
-    arr = values.copy()
     if shape:
         if int(np.prod(shape)) != arr.size:
             raise ProtocolError(f"tensor shape {shape} does not match its {arr.size} elements")

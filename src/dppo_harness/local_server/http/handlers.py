@@ -35,7 +35,6 @@ from dppo_harness.local_server.http.state import (
     ModelEntry,
     Outcome,
     ServerState,
-    SessionEntry,
     error_json,
     future_json,
     parse_body,
@@ -97,13 +96,13 @@ async def client_dynamic_config(request: web.Request) -> web.Response:
 async def create_session(request: web.Request) -> web.Response:
     await parse_body(request, types.CreateSessionRequest)
     session_id = str(uuid.uuid4())
-    request.app[STATE_KEY].sessions[session_id] = SessionEntry(time.time())
+    request.app[STATE_KEY].sessions[session_id] = time.time()
     return ok(types.CreateSessionResponse(session_id=session_id))
 
 
 async def session_heartbeat(request: web.Request) -> web.Response:
     req = await parse_body(request, types.SessionHeartbeatRequest)
-    request.app[STATE_KEY].session(req.session_id).last_heartbeat = time.time()
+    request.app[STATE_KEY].session(req.session_id, heartbeat=True)
     return ok(types.SessionHeartbeatResponse())
 
 
@@ -114,18 +113,6 @@ async def telemetry(request: web.Request) -> web.Response:
     if len(state.telemetry_bodies) < MAX_TELEMETRY_BODIES:
         state.telemetry_bodies.append(raw)
     return ok(types.TelemetryResponse(status="accepted"))
-
-
-async def get_session(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    session_id = request.match_info["session_id"]
-    state.session(session_id)
-    runs = [m for m, e in state.models.items() if e.session_id == session_id]
-    return ok(
-        types.GetSessionResponse(
-            training_run_ids=runs, sampler_ids=[s for s in state.samplers if s.startswith(session_id)]
-        )
-    )
 
 
 # ---- training -------------------------------------------------------------------------------------
@@ -476,21 +463,6 @@ async def retrieve_future(request: web.Request) -> web.Response:
 # ---- REST reads (the SDK's RestClient, the cookbook's checkpoint_utils) ---------------------------
 
 
-def _page(request: web.Request, total: int) -> tuple[int, int]:
-    values = []
-    for name, default in (("limit", 20), ("offset", 0)):
-        raw = request.query.get(name)
-        try:
-            value = default if raw is None else int(raw)
-        except ValueError:
-            raise ProtocolError(f"query parameter {name} must be an integer, got {raw!r}") from None
-        if value < 0:
-            raise ProtocolError(f"query parameter {name} must be >= 0, got {value}")
-        values.append(value)
-    limit, offset = values
-    return offset, offset + limit if limit else total
-
-
 async def get_training_run(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     entry = state.models.get(request.match_info["model_id"])
@@ -499,27 +471,12 @@ async def get_training_run(request: web.Request) -> web.Response:
     return ok(state.training_run(entry))
 
 
-async def list_training_runs(request: web.Request) -> web.Response:
-    state = request.app[STATE_KEY]
-    runs = [state.training_run(e) for e in state.models.values()]
-    lo, hi = _page(request, len(runs))
-    cursor = types.Cursor(offset=lo, limit=hi - lo, total_count=len(runs))
-    return ok(types.TrainingRunsResponse(training_runs=runs[lo:hi], cursor=cursor))
-
-
 async def list_checkpoints(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     model_id = request.match_info["model_id"]
     if model_id not in state.models:
         return error_json(f"unknown training run {model_id!r}", 404)
     return ok(types.CheckpointsListResponse(checkpoints=state.checkpoints_of(model_id)))
-
-
-async def list_user_checkpoints(request: web.Request) -> web.Response:
-    every = list(request.app[STATE_KEY].checkpoints.values())
-    lo, hi = _page(request, len(every))
-    cursor = types.Cursor(offset=lo, limit=hi - lo, total_count=len(every))
-    return ok(types.CheckpointsListResponse(checkpoints=every[lo:hi], cursor=cursor))
 
 
 async def checkpoint_archive(request: web.Request) -> web.Response:

@@ -134,7 +134,7 @@ async def sweep_forever(state: ServerState) -> None:
         await asyncio.sleep(state.profile.spindle.sweep_interval_s)
         cutoff = time.time() - state.profile.spindle.session_idle_timeout_s
         try:
-            for session_id in [sid for sid, s in state.sessions.items() if s.last_heartbeat <= cutoff]:
+            for session_id in [sid for sid, seen in state.sessions.items() if seen <= cutoff]:
                 await reclaim_session(state, session_id)
         except Exception:
             log.exception("idle sweep failed")

@@ -74,11 +74,6 @@ class ModelEntry:
     lost: bool = False  # spindle: the model's trainer is gone (every later submit answers 410 model_lost)
 
 
-@dataclass
-class SessionEntry:
-    last_heartbeat: float
-
-
 def str_metadata(meta: Mapping[str, JsonValue] | None) -> dict[str, str] | None:
     """TrainingRun/Checkpoint carry `dict[str, str]`; creation requests allow any JSON values."""
     if meta is None:
@@ -95,7 +90,7 @@ class ServerState:
     stats_path: Path | None = None  # written when the process exits on purpose (fault die, SIGTERM)
 
     def __post_init__(self) -> None:
-        self.sessions: dict[str, SessionEntry] = {}
+        self.sessions: dict[str, float] = {}  # session id -> when it was last seen (time.time())
         self.models: dict[str, ModelEntry] = {}
         self.samplers: dict[str, types.GetSamplerResponse] = {}  # what GET samplers/<id> answers
         self.checkpoints: dict[str, types.Checkpoint] = {}  # tinker path -> saved through this server, in order
@@ -204,13 +199,13 @@ class ServerState:
             return SpindleError(404, "not_found", f"{what} not found: {ident}")
         return UserError(default_text)
 
-    def session(self, session_id: str) -> SessionEntry:
-        session = self.sessions.get(session_id)
-        if session is None:
+    def session(self, session_id: str, *, heartbeat: bool = False) -> None:
+        """Refuses an unknown session; marks it seen on a heartbeat (and on the spindle profile, on
+        any request: Spindle's _touch_session)."""
+        if session_id not in self.sessions:
             raise self.missing("session", session_id, f"unknown session_id {session_id!r}")
-        if self.profile.is_spindle:  # any request on a session counts as it being seen (Spindle's _touch_session)
-            session.last_heartbeat = time.time()
-        return session
+        if heartbeat or self.profile.is_spindle:
+            self.sessions[session_id] = time.time()
 
     def model(self, model_id: str | None) -> ModelEntry:
         entry = self.models.get(model_id or "")
@@ -219,7 +214,7 @@ class ServerState:
                 "model", model_id, f"unknown model_id {model_id!r}: create it with create_model or load_weights first"
             )
         if self.profile.is_spindle and entry.session_id in self.sessions:
-            self.sessions[entry.session_id].last_heartbeat = time.time()
+            self.sessions[entry.session_id] = time.time()
         return entry
 
     def check_served(self, base_model: str) -> None:
