@@ -35,11 +35,7 @@ from dppo_harness.service.config import sdk_versions
 from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
-from dppo_harness.stages.session_rules import (
-    record_capacity_stop_before_training,
-    runs_feasibility_pilot,
-    trained_arms,
-)
+from dppo_harness.stages.session_rules import record_capacity_stop_before_training, runs_feasibility_pilot
 
 if TYPE_CHECKING:
     import tinker
@@ -347,7 +343,6 @@ def restoration(service_client: tinker.ServiceClient, harness: Harness, client_b
                     base_model=client_base_model,  # the served substitute
                     capacity=h.waiter.policy,  # the session's windows for refused creations
                     registry=h.registry,
-                    trained_arms=trained_arms(h.plan),
                     progress=watch.say,
                 )
         except restoration_module.RestorationError as exc:  # a response without a field the proof needs

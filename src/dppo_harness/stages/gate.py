@@ -1,11 +1,8 @@
-"""Activation gate of the plan's spec: a short pilot of its one treatment arm, checked against the
-frozen plan's `activation_gate` ranges.
-
-The pilot is the spec's own schedule for the pilot length its gate states, run as the comparison's
-arm-step (`arm_step.run_arm_step`). Each gate metric is the loss-call statistic its registered loss
-names (`loss_registry.gate_metric_sources`) on the last update of each pilot step; every check of the
-plan is evaluated (`checks.Bounds`, the rule the diagnostic's criteria share), and a value outside its
-range or missing fails the gate. The report is its own immutable evidence file.
+"""Activation gate of the plan's spec: its one treatment arm piloted at the spec's schedule for the
+pilot length the gate states, as the comparison's arm-step (`arm_step.run_arm_step`). Each gate
+metric is the loss-call statistic its registered loss names (`loss_registry.gate_metric_sources`)
+on the last update of each pilot step; every check of the plan is evaluated (`checks.Bounds`), and
+a value outside its range or missing fails the gate. The report is its own immutable evidence file.
 """
 
 from __future__ import annotations
@@ -114,10 +111,8 @@ def gate_values(
     """Gate metric values from the pilot's loss-call records, plus one row per pilot step.
 
     `sources` maps each loss-provided gate metric to its loss-call statistic (default: every
-    registered loss's, `loss_registry.gate_metric_sources()`), measured on each step's last update. A
-    step whose last update never ran contributes nothing, and then the metric is missing (None)
-    rather than a mean over fewer steps.
-    """
+    registered loss's), measured on each step's last update. A step whose last update never ran
+    makes the metric missing (None), not a mean over fewer steps."""
     sources = loss_registry.gate_metric_sources() if sources is None else sources
     second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == updates_per_batch}
     rows: list[PilotStepRow] = []
@@ -229,15 +224,13 @@ def run_activation_gate(
     backend: str,
     progress: Callable[[str], None] | None = None,
 ) -> GateReport:
-    """Run the pilot of the plan's treatment arm at the plan's own schedule on a client restored from
-    the shared initial checkpoint, evaluate every check of the plan's gate, write the report (own
-    immutable evidence file), the per-step tensors and `activation_calibration`. A pilot stopping
-    early is recorded in `errors`, and the gate then fails on the missing values."""
+    """Pilot the plan's treatment arm on a client restored from the shared initial checkpoint,
+    evaluate every check of the plan's gate, write the report, the per-step tensors and
+    `activation_calibration`. A pilot stopping early is recorded in `errors`, and the gate then
+    fails on the missing values."""
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
-    run = plan.spec_plan.run
-    if run is None:
-        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
+    run = plan.spec_plan.spec_run
     arm = pilot_arm(plan.name, run)
     steps = int(run.gate_pilot_steps.value)
     rollout_cfg = rollout_config(run, arm.seed)  # every pilot step samples from the arm's seed

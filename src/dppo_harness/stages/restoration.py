@@ -791,12 +791,12 @@ def run_restoration_preflight(
     probe_service_client: tinker.ServiceClient | None = None,
     capacity: WaitPolicy | None = None,
     registry: ClientRegistry | None = None,
-    trained_arms: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> RestorationResult:
     """Run the restoration preflight for the initialization group of the plan's spec (a diagnostic's:
-    its original plan's). `trained_arms` (None: all) get a client and a provenance entry, the others
-    are listed under `excluded_arms` (one trained arm is compared with the setup client);
+    its original plan's). The arms that train (a diagnostic's treatment arm, else all) get a client
+    and a provenance entry, the others are listed under `excluded_arms` (one trained arm is compared
+    with the setup client);
     `checkpoint_reader` (local backend) measures adapter_sha256 and the LR-scaling norms, without it
     or `update_norm` the LR probe is recorded unavailable; `probe_service_client` holds the setup and
     probe clients, so the caller can release them; `capacity`/`registry` retry every client-creating
@@ -807,12 +807,10 @@ def run_restoration_preflight(
         if progress is not None:
             progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
 
-    run = plan.spec_plan.run
-    assert run is not None  # every experiment spec has its RunConfig from load
+    run = plan.spec_plan.spec_run
     group = [a.name for a in restoration_arms(plan.spec_plan.experiment)]
-    if trained_arms is not None and (not trained_arms or set(trained_arms) - set(group)):
-        raise RestorationError(f"trained_arms {list(trained_arms)}: not arms of the initialization group {group}")
-    trained = [run.arm(a) for a in group if trained_arms is None or a in trained_arms]
+    diagnostic = plan.kind == "bounded_diagnostic"  # it trains its treatment arm only, an arm of the group
+    trained = [run.arm(a) for a in group if not diagnostic or a == plan.diagnostic.fixed_settings.treatment.arm]
     names, cfgs = [a.name for a in trained], {a.name: a.adam_config_requested() for a in trained}
     if len({a.seed for a in trained}) > 1:
         seeds = {a.name: a.seed for a in run.arms}
@@ -933,7 +931,7 @@ def run_restoration_preflight(
     # train also `excluded_arms`, each posted check keeping only what the arm's OWN responses exposed.
     excluded = {a: EXCLUDED_REASON for a in group if a not in names}
     posted: InitializationProvenance = {"version": 1, "arms": arms}
-    if trained_arms is not None:
+    if diagnostic:
         mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
         posted = {"version": 1, "arms": {a: {**e, "optimizer_checks": mine[a]} for a, e in arms.items()}}
         posted["excluded_arms"] = excluded
