@@ -34,7 +34,7 @@ from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
-from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
+from dppo_harness.stages.restoration import build_fixed_batch
 from dppo_harness.train.clients import RestorationError
 
 pytestmark = pytest.mark.timeout(900)
@@ -93,7 +93,7 @@ def _preflight(s, bundle, fixed_batch, **kw):
         bundle,
         fixed_batch=batch,
         fixed_batch_description=desc,
-        checkpoint_reader=LocalCheckpointReader(s.engine.run_dir),
+        local_run_dir=s.engine.run_dir,
         lr_multipliers=(1.0, 2.0),
         **kw,
     )

@@ -15,7 +15,7 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
+from dppo_harness.stages.restoration import build_fixed_batch
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import logprobs_sha256
 from dppo_harness.train.restore import Restore
@@ -56,7 +56,7 @@ def _run(server, spec, fixed_batch, tmp_path, sc=None, **kw):
             bundle,
             fixed_batch=batch,
             fixed_batch_description=desc,
-            checkpoint_reader=LocalCheckpointReader(server.run_dir),
+            local_run_dir=server.run_dir,
             **kw,
         )
     finally:

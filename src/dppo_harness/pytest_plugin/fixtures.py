@@ -330,15 +330,13 @@ def restoration(service_client: tinker.ServiceClient, harness: Harness, client_b
         "preflight-probes", "preflight setup and probe clients (closed when the preflight ends)"
     ) as sc:
         try:
-            reader, update_norm = restoration_module.backend_update_norm(server.run_dir if server else None, sc)
             # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
             with Watchdog(h.say, every_s=10.0) as watch:
                 return restoration_module.run_restoration_preflight(
                     service_client,
                     h.plan,
                     h.bundle,
-                    checkpoint_reader=reader,
-                    update_norm=update_norm,
+                    local_run_dir=server.run_dir if server else None,
                     probe_service_client=sc,
                     base_model=client_base_model,  # the served substitute
                     capacity=h.waiter.policy,  # the session's windows for refused creations

@@ -107,8 +107,10 @@ def gate_values(
     *,
     updates_per_batch: int = 2,
     sources: Mapping[str, str] | None = None,
+    yields: Sequence[answer_yield.ResponseYield] = (),
 ) -> tuple[dict[str, Measured], list[PilotStepRow]]:
-    """Gate metric values from the pilot's loss-call records, plus one row per pilot step.
+    """Gate metric values from the pilot's loss-call records, plus one row per pilot step (with the
+    rollout yield of each step that sampled: `yields`, in step order).
 
     `sources` maps each loss-provided gate metric to its loss-call statistic (default: every
     registered loss's), measured on each step's last update. A step whose last update never ran
@@ -126,6 +128,10 @@ def gate_values(
                 **({k: rec.stats[k] for k in LossStats.scalar_names()} if rec else {}),
             }
         )
+        if step < len(yields):  # truncation at max_tokens, answers missing, mean response length
+            y = yields[step]
+            rows[-1].update(truncated_frac=y.truncated_frac, no_answer_frac=y.no_answer_frac)
+            rows[-1].update(mean_response_tokens=y.mean_response_tokens, responses=y.n)
     complete = len(second) == pilot_steps
 
     def over_steps(key: str) -> float | None:  # None unless every step's last update ran
@@ -137,18 +143,6 @@ def gate_values(
     values: dict[str, Measured] = {metric: over_steps(stat) for metric, stat in sources.items()}
     values.update(executed_updates_per_batch=updates, executed_base_model=executed_base_model)
     return values, rows
-
-
-def with_rollout_yield(
-    rows: Sequence[PilotStepRow], yields: Sequence[answer_yield.ResponseYield]
-) -> list[PilotStepRow]:
-    """Per-step rows with that step's truncation at max_tokens, answers missing and mean response
-    length (a step that sampled nothing gets none)."""
-    out = [{**row} for row in rows]
-    for row, y in zip(out, yields):  # rows are the pilot steps in order, from step 0
-        row.update(truncated_frac=y.truncated_frac, no_answer_frac=y.no_answer_frac)
-        row.update(mean_response_tokens=y.mean_response_tokens, responses=y.n)
-    return out
 
 
 def pilot_arm(plan_name: str, run: RunConfig) -> ArmConfig:
@@ -274,7 +268,9 @@ def run_activation_gate(
     yields = [s.batch.response_yield() for s in sampled]
     optim_counts = [len(d.records) for d in reached if d.minibatches is not None]
     records = loss[1].records  # every loss call the pilot's recorder saw
-    values, per_step = gate_values(records, optim_counts, base_model, steps, updates_per_batch=arm.updates_per_batch)
+    values, per_step = gate_values(
+        records, optim_counts, base_model, steps, updates_per_batch=arm.updates_per_batch, yields=yields
+    )
     results = evaluate_gate(run.gate_checks, values)
     pilot_block = {  # the schedule run (the plan's), what was loaded and sampled, where the model name came from
         "arm": arm.name,
@@ -299,7 +295,7 @@ def run_activation_gate(
         passed=all(r.passed for r in results) and not errors,
         checks=results,
         values=values,
-        per_step=with_rollout_yield(per_step, yields),
+        per_step=per_step,
         pilot=pilot_block,
         plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,
