@@ -34,13 +34,12 @@ from dppo_harness.stages import gate
 from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
-from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
+from dppo_harness.stages.restoration import build_fixed_batch
 from dppo_harness.train.clients import RestorationError
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 ROOT = Path(__file__).parents[2]
-SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")
 DIAG = load_plan(ROOT / "tests" / "fixtures" / "plans" / "diagnostic-ci-tiny.json")
 CMP_PLAN = load_plan(ROOT / "tests" / "fixtures" / "plans" / "comparison-ci-small.json")
 ARM_NAMES = [a.name for a in CMP_PLAN.run.arms]
@@ -90,12 +89,11 @@ def _preflight(s, bundle, fixed_batch, **kw):
     batch, desc = fixed_batch
     return restoration_module.run_restoration_preflight(
         s.sc,
-        SPEC,
+        DIAG,  # trains its treatment arm only
         bundle,
         fixed_batch=batch,
         fixed_batch_description=desc,
-        checkpoint_reader=LocalCheckpointReader(s.engine.run_dir),
-        trained_arms=("dppo_seed0",),
+        local_run_dir=s.engine.run_dir,
         lr_multipliers=(1.0, 2.0),
         **kw,
     )

@@ -15,12 +15,13 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
+from dppo_harness.stages.restoration import build_fixed_batch
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import logprobs_sha256
 from dppo_harness.train.restore import Restore
 
 pytestmark = pytest.mark.timeout(900)
+DIAG = load_plan(Path(__file__).parents[1] / "fixtures" / "plans" / "diagnostic-ci-tiny.json")  # trains dppo_seed0
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +56,7 @@ def _run(server, spec, fixed_batch, tmp_path, sc=None, **kw):
             bundle,
             fixed_batch=batch,
             fixed_batch_description=desc,
-            checkpoint_reader=LocalCheckpointReader(server.run_dir),
+            local_run_dir=server.run_dir,
             **kw,
         )
     finally:
@@ -139,13 +140,13 @@ def _models(server) -> set[str]:
     return set(server.stats()["models"])
 
 
-def test_a_single_trained_arm_gets_only_the_clients_its_proofs_need(server, spec, fixed_batch, tmp_path):
+def test_a_single_trained_arm_gets_only_the_clients_its_proofs_need(server, fixed_batch, tmp_path):
     """Under the diagnostic plan only the DPPO arm trains: no client for the untrained baseline;
     the setup client is the uninterrupted probe and the planned-LR probe; one restored probe and
     one client per other LR. 5 training clients (8 before: 2 arms, a separate uninterrupted probe,
     one client per LR), and every proof still runs and passes."""
     before = _models(server)
-    result, bundle = _run(server, spec, fixed_batch, tmp_path, trained_arms=("dppo_seed0",))
+    result, bundle = _run(server, DIAG, fixed_batch, tmp_path)
     created = _models(server) - before
     assert result.passed, result.failure_message()
     assert len(created) == 5, sorted(created)
@@ -164,22 +165,19 @@ def test_a_single_trained_arm_gets_only_the_clients_its_proofs_need(server, spec
     assert verify_bundle(bundle.dir) == []
 
 
-def test_the_diagnostic_trains_the_preflights_loaded_client(server, spec, fixed_batch, tmp_path):
+def test_the_diagnostic_trains_the_preflights_loaded_client(server, fixed_batch, tmp_path):
     """No third DPPO client: the bounded diagnostic trains the arm's client the preflight loaded
     (its observed load is the run's restore, restore_count stays 1)."""
     from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 
-    diag_plan = load_plan(Path(__file__).parents[1] / "fixtures" / "plans" / "diagnostic-ci-tiny.json")
     sc = _client(server)
     try:
-        result, bundle = _run(
-            server, spec, fixed_batch, tmp_path, sc=sc, trained_arms=("dppo_seed0",), lr_multipliers=(1.0, 2.0)
-        )
+        result, bundle = _run(server, DIAG, fixed_batch, tmp_path, sc=sc, lr_multipliers=(1.0, 2.0))
         assert result.passed, result.failure_message()
         before = _models(server)
         res = run_bounded_diagnostic(
             sc,
-            diag_plan,
+            DIAG,
             bundle,
             result.initial_checkpoint,
             backend="local",

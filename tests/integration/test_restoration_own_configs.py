@@ -16,7 +16,7 @@ from dppo_harness import constants, project
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.plans import parse_plan
 from dppo_harness.stages import restoration
-from dppo_harness.stages.restoration import LocalCheckpointReader, build_fixed_batch
+from dppo_harness.stages.restoration import build_fixed_batch
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -39,7 +39,7 @@ def test_each_arm_is_checked_against_a_probe_of_its_own_optimizer_config(shared_
             EvidenceBundle.create(tmp_path / "evidence"),
             fixed_batch=batch,
             fixed_batch_description=desc,
-            checkpoint_reader=LocalCheckpointReader(server.run_dir),
+            local_run_dir=server.run_dir,
         )
     finally:
         end_session(sc)

@@ -110,12 +110,11 @@ def test_the_executed_model_check_fails_on_the_stand_ins_name():
 def test_gate_rows_carry_each_steps_truncation_and_answer_yield():
     from dppo_harness.evaluation import answer_yield
 
-    rows = [{"step": 0, "optim_steps": 2}, {"step": 1, "optim_steps": 2}, {"step": 2, "optim_steps": 0}]
     yields = [
         answer_yield.response_yield(["length", "stop"], [False, True], [512, 100], max_tokens=512),
         answer_yield.response_yield(["stop", "stop"], [True, True], [50, 70], max_tokens=512),
     ]
-    out = gate.with_rollout_yield(rows, yields)
+    _, out = gate.gate_values([], [2, 2], "m", 3, yields=yields)
     assert out[0]["truncated_frac"] == 0.5 and out[0]["no_answer_frac"] == 0.5 and out[0]["mean_response_tokens"] == 306
     assert out[1]["truncated_frac"] == 0.0 and out[1]["responses"] == 2
     assert "truncated_frac" not in out[2]  # a step that never sampled reports nothing, not zeros

@@ -177,4 +177,4 @@ def test_the_planned_lr_rides_on_the_setup_client_only_with_a_measure_that_canno
     local = CheckpointUpdateNorm(LocalCheckpointReader(tmp_path), "t")
     assert not planned_lr_on_setup_client(external, (0.5, 1.0, 2.0))
     assert planned_lr_on_setup_client(local, (0.5, 1.0, 2.0))
-    assert not planned_lr_on_setup_client(local, (0.5, 2.0)) and not planned_lr_on_setup_client(None, (1.0,))
+    assert not planned_lr_on_setup_client(local, (0.5, 2.0))

@@ -1,5 +1,5 @@
-"""The stage fixtures' rules (stages.session_rules): which arms train, whether the feasibility
-pilot runs, and a capacity stop before training."""
+"""The stage fixtures' rules (stages.session_rules): whether the feasibility pilot runs, and a
+capacity stop before training."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -12,12 +12,9 @@ from dppo_harness.stages import session_rules
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
 
-def test_a_diagnostic_plan_trains_its_treatment_arm_only_and_runs_no_feasibility_pilot() -> None:
-    plan = plans.load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-    assert session_rules.trained_arms(plan) == (plan.diagnostic.fixed_settings.treatment.arm,)
-    assert not session_rules.runs_feasibility_pilot(plan)
-    spec = plans.load_plan(PLANS / "exp_e6b0965af3.json")
-    assert session_rules.trained_arms(spec) is None and session_rules.runs_feasibility_pilot(spec)
+def test_a_diagnostic_plan_runs_no_feasibility_pilot() -> None:
+    assert not session_rules.runs_feasibility_pilot(plans.load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json"))
+    assert session_rules.runs_feasibility_pilot(plans.load_plan(PLANS / "exp_e6b0965af3.json"))
 
 
 def _bundle(tested: bool | None) -> Any:

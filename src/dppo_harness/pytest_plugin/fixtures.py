@@ -30,11 +30,7 @@ from dppo_harness.service.config import sdk_versions
 from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
-from dppo_harness.stages.session_rules import (
-    record_capacity_stop_before_training,
-    runs_feasibility_pilot,
-    trained_arms,
-)
+from dppo_harness.stages.session_rules import record_capacity_stop_before_training, runs_feasibility_pilot
 
 if TYPE_CHECKING:
     import tinker
@@ -313,20 +309,17 @@ def restoration(service_client: tinker.ServiceClient, harness: Harness, client_b
         "preflight-probes", "preflight setup and probe clients (closed when the preflight ends)"
     ) as sc:
         try:
-            reader, update_norm = restoration_module.backend_update_norm(server.run_dir if server else None, sc)
             # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
             with Watchdog(h.say, every_s=10.0) as watch:
                 return restoration_module.run_restoration_preflight(
                     service_client,
                     h.plan,
                     h.bundle,
-                    checkpoint_reader=reader,
-                    update_norm=update_norm,
+                    local_run_dir=server.run_dir if server else None,
                     probe_service_client=sc,
                     base_model=client_base_model,  # the served substitute
                     capacity=h.waiter.policy,  # the session's windows for refused creations
                     registry=h.registry,
-                    trained_arms=trained_arms(h.plan),
                     progress=watch.say,
                 )
         except restoration_module.RestorationError as exc:  # a response without a field the proof needs

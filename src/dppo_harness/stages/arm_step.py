@@ -1,8 +1,7 @@
 """One arm-step, the unit the gate's pilot and the comparison's arms both train in (`run_arm_step`):
-sample a fresh rollout batch at the plan's settings from the client's current weights, then one
-recorded update per complete-group minibatch. The caller names the sampler and reads what the step
-reached from its `ArmStepProgress` (kept when a call fails part-way). The update phase alone
-(`run_arm_updates`) is what the feasibility pilot times, so it measures an update as the arms run it."""
+a fresh rollout batch sampled at the plan's settings from the client's current weights, then one
+recorded update per complete-group minibatch; `ArmStepProgress` says how far it got. The feasibility
+pilot times the update phase alone (`run_arm_updates`), so it measures an update as the arms run it."""
 
 from __future__ import annotations
 

@@ -1,9 +1,7 @@
 """The correctness preflight as one step: golden parity of the custom loss path, the result's
 ``correctness_preflight`` block with the restoration preflight's LR-scaling probe attached, the
 validator's verdict on that block, and the registry parity of every loss the plan's arms train.
-
-The stage test calls ``run_correctness_preflight``, records the evidence the result carries and
-asserts ``passed``; nothing here writes files.
+Nothing here writes files: the stage test records what the result carries.
 """
 
 from __future__ import annotations
@@ -82,14 +80,10 @@ def run_correctness_preflight(
     modes: Sequence[str] = MODES,
     progress: Callable[[str], None] | None = None,
 ) -> CorrectnessPreflight:
-    """Run the correctness preflight and return its findings; nothing is written.
-
-    The tolerances come from `spec`'s ``correctness_preflight`` path ``grpo_dppo_custom_loss`` (a
-    spec without it raises ValueError naming it); `lr_scaling` (``RestorationResult.lr_scaling``)
-    is attached to every path of the block; each of `losses` gets ``registered_loss_parity``
-    against its golden cases under `root`; `golden` defaults to `root` / ``GOLDEN_FIXTURE`` (a
-    malformed file raises ``GoldenError``); `progress` gets a line every few seconds.
-    """
+    """The correctness preflight's findings. The tolerances come from `spec`'s path
+    ``grpo_dppo_custom_loss`` (ValueError naming it when absent); `lr_scaling` is attached to every
+    path of the block; each of `losses` gets ``registered_loss_parity`` against its golden cases
+    under `root`; `golden` defaults to `root` / ``GOLDEN_FIXTURE``."""
     root = Path(root)
     golden = Path(golden) if golden is not None else root / GOLDEN_FIXTURE
     report = check_golden(golden, modes, tolerances=spec_tolerances(spec), progress=progress)

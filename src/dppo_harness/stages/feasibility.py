@@ -1,17 +1,9 @@
-"""Feasibility: the timing pilot on the actual backend, then the projection of the whole plan
-(pure arithmetic: the pilot's measured figures applied to the plan's own `RunConfig`) written to
-the evidence.
-
-The pilot measures, on the backend that will run the plan:
-- setup: create a training client from the initial checkpoint with optimizer state;
-- training: sample PILOT_GROUPS GSM8K train groups at the plan's sampling settings, then per
-  arm PILOT_UPDATES recorded updates on a minibatch of the plan's size, through the arm-step's
-  update phase (`arm_step.run_arm_updates`) as the comparison runs them;
-- evaluation: greedy samples of a few GSM8K test items, submitted together like the evaluation.
-
-The projection scales nothing by model size and assumes no concurrency: sampling time per group is
-what the pilot measured with its groups in flight together; a recovery reserve is added. A plan
-that does not fit fails the stage, which blocks later stages. A bounded diagnostic runs no pilot
+"""Feasibility: the timing pilot on the backend that will run the plan (setup from the initial
+checkpoint; PILOT_GROUPS train groups sampled at the plan's settings, then each arm's PILOT_UPDATES
+updates through the arm-step's update phase; greedy samples of a few test items, submitted
+together), then the projection of the whole plan: the pilot's figures applied to the plan's own
+`RunConfig`, scaled by nothing else and with no concurrency assumed, plus a recovery reserve. A
+plan that does not fit fails the stage. A bounded diagnostic runs no pilot
 (`session_rules.runs_feasibility_pilot`): its feasibility block is its own measured setup.
 """
 
@@ -144,11 +136,9 @@ def project(
     *,
     gpu_count: int | None,
 ) -> Projection:
-    """Whole-plan wall time (and GPU-hours when the GPU count is known) against the budget.
-
-    total = (setup + arm_steps x arm-step + eval_items x seconds_per_item) x (1 + reserve). Time
-    already spent in the session is the budget ledger's (`evidence.budget_allows`), not this one's.
-    """
+    """Whole-plan wall time, (setup + arm_steps x arm-step + eval_items x seconds_per_item) x (1 +
+    reserve), and GPU-hours when the GPU count is known, against the budget. Time already spent in
+    the session is the budget ledger's (`evidence.budget_allows`)."""
     timings.validate()
     problems: list[str] = []
     arm_step = timings.arm_step_seconds(run)
@@ -268,14 +258,11 @@ def run_timing_pilot(
     initial_checkpoint: str,
     progress: Callable[[str], None] | None = None,
 ) -> tuple[PilotTimings, JsonObject]:
-    """Time setup, sampling + updates, and greedy evaluation on `service_client`'s backend; returns
-    the timings and what the pilot sampled, trained on and timed (the pilot file's `pilot`).
+    """The timings and what the pilot sampled, trained on and timed (the pilot file's `pilot`).
 
     The update minibatch has the plan's sequences per update, tiled from the pilot's sampled
-    sequences (real sampled lengths) when the pilot sampled fewer. Every arm's updates are timed
-    with its own loss and optimizer (PILOT_UPDATES each), so the mean update time the projection
-    uses weighs every arm equally, as the schedule trains them.
-    """
+    sequences (real lengths). Every arm's updates are timed with its own loss and optimizer, so the
+    mean update time weighs every arm equally, as the schedule trains them."""
     renderer = tokenizer.make_renderer().renderer
     t0 = time.perf_counter()
 
@@ -287,8 +274,7 @@ def run_timing_pilot(
     client = service_client.create_training_client_from_state_with_optimizer(initial_checkpoint)
     setup_s = time.perf_counter() - t0
     cfg = replace(rollout_config(run, run.seed), groups_per_batch=PILOT_GROUPS)  # the arms' settings, fewer groups
-    group_size, max_tokens = cfg.group_size, cfg.max_tokens
-    say(f"2/4: sampling {PILOT_GROUPS} groups x {group_size} (max_tokens {max_tokens})")
+    say(f"2/4: sampling {PILOT_GROUPS} groups x {cfg.group_size} (max_tokens {cfg.max_tokens})")
     data = dataset.get(run.dataset)
     items = data.load_split("train", seed=run.seed).items[:PILOT_GROUPS]
     sampled = rollouts.sample_rollout_batch(client, items, renderer, cfg, sampler_name="feasibility-pilot")
@@ -312,7 +298,9 @@ def run_timing_pilot(
     eval_tokens, eval_s = 0, 0.0
     if eval_n:  # greedy samples of the first test items, submitted together like the evaluation
         prompts = [data.build_prompt(it, renderer) for it in data.load_split("test").items[:eval_n]]
-        params = tinker.SamplingParams(max_tokens=max_tokens, temperature=0.0, stop=tokenizer.stop_list(prompts[0][1]))
+        params = tinker.SamplingParams(
+            max_tokens=cfg.max_tokens, temperature=0.0, stop=tokenizer.stop_list(prompts[0][1])
+        )
         _, sampler = rollouts.save_sampler(client, "feasibility-eval")
         t2 = time.perf_counter()
         results = [f.result() for f in [sampler.sample(ob, 1, params) for ob, _ in prompts]]
@@ -323,7 +311,7 @@ def run_timing_pilot(
         setup_seconds=setup_s,
         sampling_seconds=sampled.seconds,  # includes saving sampler weights, as every real step does
         sampled_groups=PILOT_GROUPS,
-        sampled_sequences=PILOT_GROUPS * group_size,
+        sampled_sequences=PILOT_GROUPS * cfg.group_size,
         update_seconds=tuple(update_s),
         sequences_per_update=len(minibatch),
         eval_seconds=eval_s,
@@ -365,8 +353,7 @@ def run_feasibility(
 ) -> FeasibilityResult:
     """Pilot (unless `timings` is given), project `plan` at its own schedule (a smaller run is a
     smaller plan), write the pilot file and the result's `feasibility` block and metrics.
-    `measured_setup` adds other measured setup phases of this run ({"restoration_preflight":
-    seconds, ...}) to the pilot's setup time; `effective_config` defaults to the schedule."""
+    `measured_setup` adds other measured setup phases ({"restoration_preflight": seconds})."""
     run = plan.run
     if run is None:
         raise FeasibilityError(f"plan {plan.name}: a {plan.kind} plan is not piloted (it has no run config)")

@@ -1,11 +1,8 @@
-"""Activation gate of the plan's spec: a short pilot of its one treatment arm, checked against the
-frozen plan's `activation_gate` ranges.
-
-The pilot is the spec's own schedule for the pilot length its gate states, run as the comparison's
-arm-step (`arm_step.run_arm_step`). Each gate metric is the loss-call statistic its registered loss
-names (`loss_registry.gate_metric_sources`) on the last update of each pilot step; every check of the
-plan is evaluated (`checks.Bounds`, the rule the diagnostic's criteria share), and a value outside its
-range or missing fails the gate. The report is its own immutable evidence file.
+"""Activation gate of the plan's spec: its one treatment arm piloted at the spec's schedule for the
+pilot length the gate states, as the comparison's arm-step (`arm_step.run_arm_step`). Each gate
+metric is the loss-call statistic its registered loss names (`loss_registry.gate_metric_sources`)
+on the last update of each pilot step; every check of the plan is evaluated (`checks.Bounds`), and
+a value outside its range or missing fails the gate. The report is its own immutable evidence file.
 """
 
 from __future__ import annotations
@@ -110,14 +107,14 @@ def gate_values(
     *,
     updates_per_batch: int = 2,
     sources: Mapping[str, str] | None = None,
+    yields: Sequence[answer_yield.ResponseYield] = (),
 ) -> tuple[dict[str, Measured], list[PilotStepRow]]:
-    """Gate metric values from the pilot's loss-call records, plus one row per pilot step.
+    """Gate metric values from the pilot's loss-call records, plus one row per pilot step (with the
+    rollout yield of each step that sampled: `yields`, in step order).
 
     `sources` maps each loss-provided gate metric to its loss-call statistic (default: every
-    registered loss's, `loss_registry.gate_metric_sources()`), measured on each step's last update. A
-    step whose last update never ran contributes nothing, and then the metric is missing (None)
-    rather than a mean over fewer steps.
-    """
+    registered loss's), measured on each step's last update. A step whose last update never ran
+    makes the metric missing (None), not a mean over fewer steps."""
     sources = loss_registry.gate_metric_sources() if sources is None else sources
     second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == updates_per_batch}
     rows: list[PilotStepRow] = []
@@ -131,6 +128,10 @@ def gate_values(
                 **({k: rec.stats[k] for k in LossStats.scalar_names()} if rec else {}),
             }
         )
+        if step < len(yields):  # truncation at max_tokens, answers missing, mean response length
+            y = yields[step]
+            rows[-1].update(truncated_frac=y.truncated_frac, no_answer_frac=y.no_answer_frac)
+            rows[-1].update(mean_response_tokens=y.mean_response_tokens, responses=y.n)
     complete = len(second) == pilot_steps
 
     def over_steps(key: str) -> float | None:  # None unless every step's last update ran
@@ -142,18 +143,6 @@ def gate_values(
     values: dict[str, Measured] = {metric: over_steps(stat) for metric, stat in sources.items()}
     values.update(executed_updates_per_batch=updates, executed_base_model=executed_base_model)
     return values, rows
-
-
-def with_rollout_yield(
-    rows: Sequence[PilotStepRow], yields: Sequence[answer_yield.ResponseYield]
-) -> list[PilotStepRow]:
-    """Per-step rows with that step's truncation at max_tokens, answers missing and mean response
-    length (a step that sampled nothing gets none)."""
-    out = [{**row} for row in rows]
-    for row, y in zip(out, yields):  # rows are the pilot steps in order, from step 0
-        row.update(truncated_frac=y.truncated_frac, no_answer_frac=y.no_answer_frac)
-        row.update(mean_response_tokens=y.mean_response_tokens, responses=y.n)
-    return out
 
 
 def pilot_arm(plan_name: str, run: RunConfig) -> ArmConfig:
@@ -229,15 +218,13 @@ def run_activation_gate(
     backend: str,
     progress: Callable[[str], None] | None = None,
 ) -> GateReport:
-    """Run the pilot of the plan's treatment arm at the plan's own schedule on a client restored from
-    the shared initial checkpoint, evaluate every check of the plan's gate, write the report (own
-    immutable evidence file), the per-step tensors and `activation_calibration`. A pilot stopping
-    early is recorded in `errors`, and the gate then fails on the missing values."""
+    """Pilot the plan's treatment arm on a client restored from the shared initial checkpoint,
+    evaluate every check of the plan's gate, write the report, the per-step tensors and
+    `activation_calibration`. A pilot stopping early is recorded in `errors`, and the gate then
+    fails on the missing values."""
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
-    run = plan.spec_plan.run
-    if run is None:
-        raise GateError(f"plan {plan.name}: no experiment spec, so no activation gate")
+    run = plan.spec_plan.spec_run
     arm = pilot_arm(plan.name, run)
     steps = run.gate_pilot_steps
     rollout_cfg = rollout_config(run, arm.seed)  # every pilot step samples from the arm's seed
@@ -281,7 +268,9 @@ def run_activation_gate(
     yields = [s.batch.response_yield() for s in sampled]
     optim_counts = [len(d.records) for d in reached if d.minibatches is not None]
     records = loss[1].records  # every loss call the pilot's recorder saw
-    values, per_step = gate_values(records, optim_counts, base_model, steps, updates_per_batch=arm.updates_per_batch)
+    values, per_step = gate_values(
+        records, optim_counts, base_model, steps, updates_per_batch=arm.updates_per_batch, yields=yields
+    )
     results = evaluate_gate(run.gate_checks, values)
     pilot_block = {  # the schedule run (the plan's), what was loaded and sampled, where the model name came from
         "arm": arm.name,
@@ -306,7 +295,7 @@ def run_activation_gate(
         passed=all(r.passed for r in results) and not errors,
         checks=results,
         values=values,
-        per_step=with_rollout_yield(per_step, yields),
+        per_step=per_step,
         pilot=pilot_block,
         plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,

@@ -237,10 +237,6 @@ def check_provenance(entries: Mapping[str, ArmProvenance]) -> list[str]:
 CallWrapper = Callable[[Callable[[], Any]], Any]  # wraps every client-creating call (e.g. a capacity retry)
 LR_SCALING_RTOL = 0.05  # |(norm/lr) / (norm0/lr0) - 1| allowed; Adam's first step is ~lr * sign(g)
 DEFAULT_LR_MULTIPLIERS = (0.5, 1.0, 2.0)
-NO_UPDATE_NORM = (
-    "the Tinker API exposes neither parameters nor an update-norm metric (optim_step reports "
-    "the gradient norm only), so update norms cannot be measured on this backend"
-)
 
 
 class UpdateNormMeasure(Protocol):
@@ -306,15 +302,11 @@ class CheckpointUpdateNorm:
         return update_norm_from_tensors(self.reader.adapter(before), self.reader.adapter(after))
 
 
-def planned_lr_on_setup_client(update_norm: UpdateNormMeasure | None, multipliers: Sequence[float]) -> bool:
+def planned_lr_on_setup_client(update_norm: UpdateNormMeasure, multipliers: Sequence[float]) -> bool:
     """Whether the planned LR's scaling probe is the setup client's update 1 (no client of its own):
     only with a measure that cannot leave that client waiting on a refused request (it still has
     the restore probe to run); otherwise every LR gets its own client."""
-    return (
-        update_norm is not None
-        and any(float(m) == 1.0 for m in multipliers)
-        and bool(getattr(update_norm, "safe_on_a_working_client", False))
-    )
+    return any(float(m) == 1.0 for m in multipliers) and bool(getattr(update_norm, "safe_on_a_working_client", False))
 
 
 @dataclass(frozen=True)
@@ -442,7 +434,7 @@ def lr_scaling_probe(
     run: ProbeRun,
     opt_cfg: Mapping[str, float],
     multipliers: Sequence[float],
-    update_norm: UpdateNormMeasure | None,
+    update_norm: UpdateNormMeasure,
     measured: Mapping[float, float | None] | None = None,
 ) -> LrScalingBlock:
     """A fresh state from the initial checkpoint per LR, the same fixed gradient, update norms.
@@ -454,8 +446,6 @@ def lr_scaling_probe(
     should be the same at every LR; the relative change against the first probe is checked.
     """
     lrs = [float(opt_cfg["learning_rate"]) * float(m) for m in multipliers]
-    if update_norm is None:
-        return LrScalingUnavailable(NO_UPDATE_NORM, lrs)
 
     def unavailable() -> LrScalingUnavailable:  # why: the measure's last error, read when it failed
         return LrScalingUnavailable(
@@ -514,11 +504,13 @@ def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -
     and `lr_scaling_status` says why.
     """
     out, written = json.loads(json.dumps(correctness_block)), lr_block.to_json()
+    keys: tuple[str, ...] = ("reason",)
     if isinstance(lr_block, LrScalingMeasured):
         keys, entries = ("passed", "rtol", "relative_error", "measure", "reset"), written["lr_scaling"]
     else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
         unmeasured: JsonObject = {"update_norm": None, "available": False, "reason": lr_block.reason}
-        keys, entries = ("reason",), [{"learning_rate": lr, **unmeasured} for lr in lr_block.learning_rates or [None]]
+        rates: list[float | None] = [*lr_block.learning_rates] or [None]
+        entries = [{"learning_rate": lr, **unmeasured} for lr in rates]
     status = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE, **{k: written[k] for k in keys}}
     for path in out.get("paths", []):
         path["lr_scaling"] = json.loads(json.dumps(entries))
@@ -767,16 +759,6 @@ def initial_outputs(
     return out_sha, cmp, failures
 
 
-def backend_update_norm(
-    local_run_dir: Path | None, probe_service_client: tinker.ServiceClient
-) -> tuple[LocalCheckpointReader | None, UpdateNormMeasure | None]:
-    """(checkpoint reader, update-norm measure): the embedded server's checkpoints under
-    `local_run_dir`, else the trained weights read back through the SDK."""
-    if local_run_dir is not None:
-        return LocalCheckpointReader(local_run_dir), None
-    return None, ExternalWeightsUpdateNorm(probe_service_client.create_rest_client)
-
-
 def run_restoration_preflight(
     service_client: tinker.ServiceClient,
     plan: Plan,
@@ -786,19 +768,18 @@ def run_restoration_preflight(
     fixed_batch: Sequence[tinker.Datum] | None = None,
     fixed_batch_description: JsonObject | None = None,
     lr_multipliers: Sequence[float] = DEFAULT_LR_MULTIPLIERS,
-    checkpoint_reader: LocalCheckpointReader | None = None,
-    update_norm: UpdateNormMeasure | None = None,
+    local_run_dir: Path | None = None,
     probe_service_client: tinker.ServiceClient | None = None,
     capacity: WaitPolicy | None = None,
     registry: ClientRegistry | None = None,
-    trained_arms: Sequence[str] | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> RestorationResult:
     """Run the restoration preflight for the initialization group of the plan's spec (a diagnostic's:
-    its original plan's). `trained_arms` (None: all) get a client and a provenance entry, the others
-    are listed under `excluded_arms` (one trained arm is compared with the setup client);
-    `checkpoint_reader` (local backend) measures adapter_sha256 and the LR-scaling norms, without it
-    or `update_norm` the LR probe is recorded unavailable; `probe_service_client` holds the setup and
+    its original plan's). The arms that train (a diagnostic's treatment arm, else all) get a client
+    and a provenance entry, the others are listed under `excluded_arms` (one trained arm is compared
+    with the setup client);
+    `local_run_dir` (the embedded server's) is where adapter_sha256 and the LR-scaling norms are read,
+    elsewhere the norms are read back through the SDK; `probe_service_client` holds the setup and
     probe clients, so the caller can release them; `capacity`/`registry` retry every client-creating
     call on a capacity refusal; `progress` gets a line at every step."""
     t0 = time.monotonic()
@@ -807,12 +788,10 @@ def run_restoration_preflight(
         if progress is not None:
             progress(f"[preflight] restoration {msg} ({time.monotonic() - t0:.0f}s)")
 
-    run = plan.spec_plan.run
-    assert run is not None  # every experiment spec has its RunConfig from load
+    run = plan.spec_plan.spec_run
     group = [a.name for a in restoration_arms(plan.spec_plan.experiment)]
-    if trained_arms is not None and (not trained_arms or set(trained_arms) - set(group)):
-        raise RestorationError(f"trained_arms {list(trained_arms)}: not arms of the initialization group {group}")
-    trained = [run.arm(a) for a in group if trained_arms is None or a in trained_arms]
+    diagnostic = plan.kind == "bounded_diagnostic"  # it trains its treatment arm only, an arm of the group
+    trained = [run.arm(a) for a in group if not diagnostic or a == plan.diagnostic.fixed_settings.treatment.arm]
     names, cfgs = [a.name for a in trained], {a.name: a.adam_config_requested() for a in trained}
     if len({a.seed for a in trained}) > 1:
         seeds = {a.name: a.seed for a in run.arms}
@@ -846,7 +825,8 @@ def run_restoration_preflight(
         describe_client(service_client, loaded[a].client, f"arm {a}: loaded from the initial checkpoint with optimizer")
         rec.keep(f"load_{a}", loaded[a].response)
         rec.keep(f"load_{a}.get_info", loaded[a].info)
-    adapters, adapter_method, failures = adapter_hashes(checkpoint_reader, loaded, tag, rec)
+    reader = None if local_run_dir is None else LocalCheckpointReader(local_run_dir)
+    adapters, adapter_method, failures = adapter_hashes(reader, loaded, tag, rec)
     say(f"3/6: initial logprobs of {len(names)} arms on the fixed batch ({len(batch)} datums)")
     out_sha, comparison, output_failures = initial_outputs(bundle, loaded, batch, b_sha, source=source_lp)
     failures += output_failures
@@ -855,8 +835,11 @@ def run_restoration_preflight(
     # arm's config; update 1 is also the LR probe at the planned LR. Each other optimizer config
     # gets its own probe from a fresh client, so every arm's checks compare with its OWN echo.
     opt_cfg = cfgs[names[0]]
-    if update_norm is None and checkpoint_reader is not None:
-        update_norm = CheckpointUpdateNorm(checkpoint_reader, f"{tag}-lr")
+    update_norm: UpdateNormMeasure = (
+        ExternalWeightsUpdateNorm(probe_sc.create_rest_client)
+        if reader is None
+        else CheckpointUpdateNorm(reader, f"{tag}-lr")
+    )
     in_plan = update_norm if planned_lr_on_setup_client(update_norm, lr_multipliers) else None
     say("4/6: create-save-restore probe (uninterrupted setup client vs restored client, 2 fixed-gradient updates)")
     probe = restore_probe(prun, shared.client, opt_cfg, tag, update_norm=in_plan)
@@ -933,7 +916,7 @@ def run_restoration_preflight(
     # train also `excluded_arms`, each posted check keeping only what the arm's OWN responses exposed.
     excluded = {a: EXCLUDED_REASON for a in group if a not in names}
     posted: InitializationProvenance = {"version": 1, "arms": arms}
-    if trained_arms is not None:
+    if diagnostic:
         mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
         posted = {"version": 1, "arms": {a: {**e, "optimizer_checks": mine[a]} for a, e in arms.items()}}
         posted["excluded_arms"] = excluded

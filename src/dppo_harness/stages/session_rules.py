@@ -1,6 +1,6 @@
-"""Rules the stage fixtures apply around the stages' entry points: which arms the restoration
-preflight trains, whether the feasibility pilot runs, and what a capacity stop before any
-training records. Pure helpers, so the pytest fixtures stay wiring.
+"""Rules the stage fixtures apply around the stages' entry points: whether the feasibility pilot
+runs, and what a capacity stop before any training records. Pure helpers, so the pytest fixtures
+stay wiring.
 """
 
 from __future__ import annotations
@@ -14,12 +14,6 @@ if TYPE_CHECKING:
     from dppo_harness.service.wait.policy import CapacityBlock
 
 NOTHING_TRAINED = "nothing: the run stopped on service capacity before any training"
-
-
-def trained_arms(plan: Plan) -> tuple[str, ...] | None:
-    """The arms the restoration preflight trains: under a bounded diagnostic plan only its
-    treatment arm; else every arm (None)."""
-    return (plan.diagnostic.fixed_settings.treatment.arm,) if plan.kind == "bounded_diagnostic" else None
 
 
 def runs_feasibility_pilot(plan: Plan) -> bool:
