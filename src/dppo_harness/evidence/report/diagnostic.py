@@ -150,12 +150,7 @@ def _sentinel_lines(sent: JsonMap) -> list[str]:
 
 def _plot_lines(plot_files: Mapping[str, str]) -> list[str]:
     lines = ["", "## Plots", ""]
-    for key, title in (
-        ("drift_tails", "Drift tails per update"),
-        ("histograms", "p - q histograms by advantage sign"),
-        ("fractions", "Masked and clip fraction per update"),
-        ("sentinels", "Sentinel drift"),
-    ):
+    for key, (_, title) in PLOTS.items():
         lines.append(f"![{title}]({plot_files[key]})" if key in plot_files else f"- {title}: not available (no data)")
     return lines
 
@@ -227,7 +222,7 @@ def write_report(
     bundle: EvidenceBundle, analysis: JsonMap, backend: str, next_action: JsonMap | None = None
 ) -> dict[str, str]:
     """Render plots and report.md, register them in the bundle; returns {key: file name}."""
-    names = {key: bundle.register_bytes(PLOTS[key], "plot", data)["name"] for key, data in make_plots(analysis).items()}
+    names = {k: bundle.register_bytes(PLOTS[k][0], "plot", data)["name"] for k, data in make_plots(analysis).items()}
     text = render_markdown(analysis, names, backend, next_action)
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**names, "report": REPORT_FILE}

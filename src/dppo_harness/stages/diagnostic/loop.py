@@ -107,7 +107,7 @@ class SentinelTracker:
         self.pending: list[tuple[tinker.APIFuture[tinker.ForwardBackwardOutput], int, float]] = []
 
     def collect(self) -> None:
-        """Await the deferred sentinel forwards, in submission order, and record their points."""
+        """Await the submitted sentinel forwards, in submission order, and record their points."""
         while self.pending:
             future, after_update, elapsed_s = self.pending.pop(0)
             out = future.result()
@@ -115,26 +115,17 @@ class SentinelTracker:
                 raise RuntimeError(
                     f"sentinel forward returned {len(out.loss_fn_outputs)} outputs for {len(self.datums)} datums"
                 )
-            self._add(
-                after_update, elapsed_s, [np.asarray(o["logprobs"].to_numpy()).reshape(-1) for o in out.loss_fn_outputs]
+            lp = np.concatenate([o["logprobs"].to_numpy().astype(np.float32).reshape(-1) for o in out.loss_fn_outputs])
+            if self._init is None:
+                self._init = lp
+            self.points.append(
+                {
+                    "after_update": after_update,
+                    "elapsed_s": elapsed_s,
+                    "summary": ins.sentinel_summary(lp, self.sampler_logprobs, self._init, self.mask, self.advantages),
+                    "logprobs": lp.tolist(),
+                }
             )
-
-    def measure(self, tc: tinker.TrainingClient, after_update: int, elapsed_s: float) -> None:
-        self.collect()
-        self._add(after_update, elapsed_s, full_logprobs(tc, self.datums))
-
-    def _add(self, after_update: int, elapsed_s: float, logprobs: Sequence[np.ndarray]) -> None:
-        lp = np.concatenate([x.astype(np.float32).reshape(-1) for x in logprobs])
-        if self._init is None:
-            self._init = lp
-        self.points.append(
-            {
-                "after_update": after_update,
-                "elapsed_s": elapsed_s,
-                "summary": ins.sentinel_summary(lp, self.sampler_logprobs, self._init, self.mask, self.advantages),
-                "logprobs": lp.tolist(),
-            }
-        )
 
     def summary(self) -> SentinelSummary:
         """Points without the raw logprobs, plus the first and last (for the analysis). A deferred
@@ -283,7 +274,8 @@ def _freeze_and_split(
     state.minibatches = [mb.record() for mb in mbs]
     sentinels = state.sentinels = SentinelTracker(frozen, SENTINELS_PER_SIGN, d.recording.sentinels.after_updates)
     if 0 in sentinels.after_updates:
-        sentinels.measure(tc, 0, state.elapsed())
+        sentinels.pending.append((tc.forward(list(sentinels.datums), "cross_entropy"), 0, state.elapsed()))
+        sentinels.collect()
     state.setup_seconds = state.elapsed()
     say(
         f"[diagnostic] setup done in {state.setup_seconds:.0f}s; training {sch.epochs} epochs x {len(mbs)} minibatches "

@@ -15,7 +15,6 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from pydantic import JsonValue
@@ -377,7 +376,6 @@ def write_evidence(
             restore=state.restore,
             initial_output=state.initial_output,
             own_check=own_optimizer_check(plan, state),
-            restore_ref=f"{ANALYSIS_FILE}#restore",
             new_restore=not state.preloaded,
         )
         bundle.update_result(initialization_provenance={"arms": {arm: entry}})
@@ -503,7 +501,6 @@ def trained_client_entry(
     restore: JsonObject,
     initial_output: JsonObject,
     own_check: OptimizerCheck | None,
-    restore_ref: str,
     new_restore: bool = True,
 ) -> JsonObject:
     """The trained arm's `initialization_provenance` entry: an optimizer check from the trained
@@ -518,7 +515,7 @@ def trained_client_entry(
     init.update(
         loaded_checkpoint_uri=restore.get("loaded_checkpoint_uri"),
         load_succeeded=bool(restore.get("load_succeeded")),
-        evidence_ref=restore_ref,
+        evidence_ref=f"{ANALYSIS_FILE}#restore",
         before_first_update=True,
     )
     return {
@@ -551,10 +548,6 @@ class UpdateArchive:
     per_file: int
     pending: list[ins.LossCallRecord] = field(default_factory=list)
 
-    @property
-    def staging_path(self) -> Path:
-        return self.bundle.dir / STAGING_FILE
-
     def add(self, record: ins.LossCallRecord) -> None:
         """Persist `record` (durable before this returns); register the archive once it is full."""
         self.pending.append(record)
@@ -576,6 +569,5 @@ class UpdateArchive:
             self.bundle.register_bytes(name, "tensors", data)
             names.append(name)
             del self.pending[:take]
-        if self.staging_path.exists():
-            self.staging_path.unlink()
+        (self.bundle.dir / STAGING_FILE).unlink(missing_ok=True)
         return names
