@@ -173,9 +173,7 @@ def _defect_and_fix_lines(analysis: JsonMap) -> list[str]:
     return lines
 
 
-def _next_action_lines(next_action: JsonMap | None) -> list[str]:
-    if not next_action:
-        return []
+def _next_action_lines(next_action: JsonMap) -> list[str]:
     lines = ["", "## Next action (not executed)", ""]
     if next_action.get("kind") == "frozen_revised_comparison_spec":
         lines.append(
@@ -203,9 +201,7 @@ def _limitation_lines(c: JsonMap, backend: str) -> list[str]:
     return lines
 
 
-def render_markdown(
-    analysis: JsonMap, plot_files: Mapping[str, str], backend: str, next_action: JsonMap | None = None
-) -> str:
+def render_markdown(analysis: JsonMap, plot_files: Mapping[str, str], backend: str, next_action: JsonMap) -> str:
     lines = _headline_lines(analysis, backend)
     lines += _run_lines(analysis)
     lines += _criteria_lines(analysis)
@@ -218,9 +214,7 @@ def render_markdown(
     return "\n".join(lines) + "\n"
 
 
-def write_report(
-    bundle: EvidenceBundle, analysis: JsonMap, backend: str, next_action: JsonMap | None = None
-) -> dict[str, str]:
+def write_report(bundle: EvidenceBundle, analysis: JsonMap, backend: str, next_action: JsonMap) -> dict[str, str]:
     """Render plots and report.md, register them in the bundle; returns {key: file name}."""
     names = {k: bundle.register_bytes(PLOTS[k][0], "plot", data)["name"] for k, data in make_plots(analysis).items()}
     text = render_markdown(analysis, names, backend, next_action)

@@ -62,14 +62,6 @@ def pinned_variant_problems(cfg: losses.LossConfig) -> list[str]:
     return problems
 
 
-def trainer_moved(sentinels: SentinelSummary) -> bool | None:
-    """Whether the sentinels saw the trainer's probabilities change since initialization."""
-    last = sentinels.get("last")
-    if not last:
-        return None
-    return bool(last["summary"]["p_minus_p_init"]["abs_max"] > 0.0)
-
-
 def anchor_problems(
     records: Sequence[ins.LossCallRecord],
     frozen_sampler_by_call: Sequence[np.ndarray] | None,
@@ -119,14 +111,6 @@ class Classification:
     measured_cause: str | None
     served_model: str | None
     stand_in: bool
-
-
-def _selftest_line(selftest: SelftestReport) -> str:
-    """The self-test's verdict and case count: the evidence against a code defect."""
-    return (
-        f"deterministic must-fire/must-not-fire self-test {'passed' if selftest.get('passed') else 'FAILED'} "
-        f"({sum(c['passed'] for c in selftest.get('cases', {}).values())}/{len(selftest.get('cases', {}))} cases)"
-    )
 
 
 def _pooled_line(pooled: Mapping[str, JsonValue], delta: float) -> str:
@@ -182,7 +166,11 @@ def classify(
     stand-in nothing measured is evidence about the planned model, so it is missing_evidence
     whatever the stand-in did (`measured_cause` keeps the measured one); a code defect found on the
     stand-in stays a defect (the code is the same)."""
-    evidence_against_defect = _selftest_line(selftest)
+    cases = selftest.get("cases", {})
+    evidence_against_defect = (  # the self-test's verdict and case count
+        f"deterministic must-fire/must-not-fire self-test {'passed' if selftest.get('passed') else 'FAILED'} "
+        f"({sum(c['passed'] for c in cases.values())}/{len(cases)} cases)"
+    )
     applicable = [c for c in criteria if c.applies]
     active = bool(applicable) and all(c.passed for c in applicable) and not integrity_problems and not variant_problems
     removed = pooled.get("dppo/removed", 0) if pooled else 0

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
     from dppo_harness.plans.models import BoundedDiagnostic
     from dppo_harness.stages.restoration import RestorationResult
+    from dppo_harness.train.optimizer_checks import OptimizerCheck
 
 
 class SentinelPoint(TypedDict):
@@ -185,6 +186,7 @@ class RunState:
     snapshots: list[str] = field(default_factory=list)
     info: tinker.types.GetInfoResponse | None = None  # the trained client's get_info response
     first_optim: tinker.OptimStepResponse | None = None  # the trained client's own first optim_step response
+    own_check: OptimizerCheck | None = None  # the optimizer check from that response
     initial_output: JsonObject | None = None
     preloaded: bool = False  # trains the restoration preflight's loaded client (no restore of its own)
     rollout_yield: dict[str, Any] | None = None  # the frozen batch's truncation and answer yield
@@ -439,14 +441,13 @@ def _train_epochs(
         phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
         if due and upd.behind is not None:
             sentinels.pending.append((upd.behind, update_index, elapsed()))
-        if state.first_optim is None:
-            state.first_optim = upd.optim
         state.updates_done = update_index
-        # The trained client's own optimizer echo, checked before update 2: a mismatch stops the run.
-        check = own_optimizer_check(plan, state) if update_index == 1 else None
-        if check and check["mismatches"]:
-            stop = "optimizer mismatch after update 1: " + "; ".join(check["mismatches"])
-            state.errors.append(stop)
+        if update_index == 1:  # the trained client's own optimizer echo, checked before update 2
+            state.first_optim = upd.optim
+            state.own_check = own_optimizer_check(plan, upd.optim, state.info)
+            if state.own_check["mismatches"]:  # a mismatch stops the run
+                stop = "optimizer mismatch after update 1: " + "; ".join(state.own_check["mismatches"])
+                state.errors.append(stop)
         tokens_seen += rec.stats["tokens/loss"]
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
+import tinker
 from pydantic import JsonValue
 
 from dppo_harness.evidence import budget, report
@@ -38,7 +39,6 @@ from dppo_harness.stages.diagnostic.classification import (
     evaluate_criteria,
     next_action,
     pinned_variant_problems,
-    trainer_moved,
 )
 from dppo_harness.stages.diagnostic.config import (
     BASIS_FOR_REFERENCES,
@@ -251,9 +251,10 @@ def analyse(
         for r in records
         for problem in replay.check_record(r, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps).problems
     ]
-    variant = pinned_variant_problems(loss_cfg) + anchor_problems(
-        records, state.frozen_by_call, trainer_moved(sentinels)
-    )
+    # The anchor equal to the current policy convicts only when the sentinels saw the trainer move.
+    last = sentinels.get("last")
+    moved = bool(last["summary"]["p_minus_p_init"]["abs_max"] > 0.0) if last else None
+    variant = pinned_variant_problems(loss_cfg) + anchor_problems(records, state.frozen_by_call, moved)
     classification = classify(
         criteria=criteria,
         pooled=pooled,
@@ -318,20 +319,19 @@ def post_progress(bundle: EvidenceBundle, max_updates: int, state: RunState) -> 
         state.snapshots.append(name)
 
 
-def own_optimizer_check(plan: Plan, state: RunState) -> OptimizerCheck | None:
+def own_optimizer_check(
+    plan: Plan, first_optim: tinker.OptimStepResponse, info: tinker.types.GetInfoResponse | None
+) -> OptimizerCheck:
     """The optimizer check from the trained client's OWN first optim_step response (its metrics
-    are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
-    before update 1."""
-    if state.first_optim is None:
-        return None
+    are optional in the SDK's OptimStepResponse: absent, the config stays declared)."""
     requested = adam(plan.diagnostic)
     return optimizer_check(
         after_restore=0,
         requested_optimizer=plan.diagnostic.fixed_settings.optimizer.name,
         requested_config=requested,
-        info=state.info,
+        info=info,
         info_ref=f"{ANALYSIS_FILE}#restore.get_info",
-        echoed=echoed_config(state.first_optim.metrics, list(requested)),
+        echoed=echoed_config(first_optim.metrics, list(requested)),
         echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
         echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)",
     )
@@ -375,7 +375,7 @@ def write_evidence(
             prior,
             restore=state.restore,
             initial_output=state.initial_output,
-            own_check=own_optimizer_check(plan, state),
+            own_check=state.own_check,
             new_restore=not state.preloaded,
         )
         bundle.update_result(initialization_provenance={"arms": {arm: entry}})
