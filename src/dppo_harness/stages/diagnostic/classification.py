@@ -23,7 +23,7 @@ from pydantic import JsonValue
 from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import POOLED_QUANTILES, RATIO_PARTS
-from dppo_harness.json_types import JsonMap, JsonObject, num
+from dppo_harness.json_types import JsonMap, JsonObject, items, num
 from dppo_harness.loss import losses
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
 from dppo_harness.loss.terms import LossStats
@@ -33,6 +33,7 @@ from dppo_harness.stages.diagnostic.config import DiagnosticError
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec
     from dppo_harness.plans.models import AnalysisCriterion, BoundedDiagnostic
+    from dppo_harness.rollout.frozen_batch import FrozenBatch
     from dppo_harness.stages.diagnostic.loop import SentinelPoint, SentinelSummary
 
 CAUSES = (
@@ -64,16 +65,17 @@ def pinned_variant_problems(cfg: losses.LossConfig) -> list[str]:
 
 def anchor_problems(
     records: Sequence[ins.LossCallRecord],
-    frozen_sampler_by_call: Sequence[np.ndarray] | None,
+    frozen: FrozenBatch | None,
     moved: bool | None = None,
 ) -> list[str]:
-    """The anchor must be the frozen sampler logprobs: never refreshed, never the current policy.
-    Anchor == current only convicts when the sentinels show the trainer actually moved (with a
-    zero learning rate and a bit-identical sampler the two are legitimately equal)."""
+    """The anchor must be the frozen sampler logprobs of each call's sequences: never refreshed,
+    never the current policy. Anchor == current only convicts when the sentinels show the trainer
+    actually moved (with a zero learning rate and a bit-identical sampler the two are legitimately equal)."""
     problems = []
-    if frozen_sampler_by_call:  # none kept: nothing to compare
-        for r, want in zip(records, frozen_sampler_by_call, strict=True):
-            got = r.tensors["sampler_logprobs_N"]
+    if frozen is not None:  # none: nothing to compare
+        for r in records:
+            got, indices = r.tensors["sampler_logprobs_N"], items(r.context["sequence_indices"])
+            want = np.concatenate([frozen.sequence(int(num(s)))["logprobs"] for s in indices])
             if got.shape != want.shape or not np.array_equal(got.astype(np.float64), want.astype(np.float64)):
                 problems.append(
                     f"update {r.context.get('update_index')}: anchor logprobs differ from the frozen batch (refreshed?)"

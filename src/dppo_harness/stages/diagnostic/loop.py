@@ -168,7 +168,6 @@ class RunState:
     cap_seconds: float = math.inf  # the wall cap in effect (the plan's, or the run budget's end when earlier)
     wall_seconds: float = 0.0  # when the service work stopped, from t0
     records: list[ins.LossCallRecord] = field(default_factory=list)
-    frozen_by_call: list[np.ndarray] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     restore: JsonObject = field(default_factory=dict)
     frozen: FrozenBatch | None = None
@@ -396,6 +395,12 @@ def _train_epochs(
     last_update_s = 0.0
     tokens_seen = 0
     stop = None
+
+    def persist(rec: ins.LossCallRecord) -> None:
+        # Persisted before the optimizer step it feeds (staged, then registered in its archive).
+        state.archive.add(rec)
+        state.records.append(rec)
+
     for epoch, mb in [(e, mb) for e in range(1, epochs + 1) for mb in mbs]:
         # The update cap, or the wall cap when one more update (as long as the last) and writing
         # the analysis would pass it.
@@ -412,14 +417,6 @@ def _train_epochs(
         update_index = state.updates_done + 1
         frozen.assert_intact()  # before every reuse (to_datums checks again)
         datums = frozen.to_datums(mb.sequence_indices)
-        anchor = np.concatenate([frozen.sequence(s)["logprobs"] for s in mb.sequence_indices])
-
-        def persist(rec: ins.LossCallRecord, anchor: np.ndarray = anchor) -> None:
-            # Persisted before the optimizer step it feeds (staged, then registered in its archive).
-            state.archive.add(rec)
-            state.records.append(rec)
-            state.frozen_by_call.append(anchor)
-
         due = update_index in sentinels.after_updates
         context: JsonObject = {
             "update_index": update_index,

@@ -254,7 +254,7 @@ def analyse(
     # The anchor equal to the current policy convicts only when the sentinels saw the trainer move.
     last = sentinels.get("last")
     moved = bool(last["summary"]["p_minus_p_init"]["abs_max"] > 0.0) if last else None
-    variant = pinned_variant_problems(loss_cfg) + anchor_problems(records, state.frozen_by_call, moved)
+    variant = pinned_variant_problems(loss_cfg) + anchor_problems(records, state.frozen, moved)
     classification = classify(
         criteria=criteria,
         pooled=pooled,
