@@ -30,7 +30,6 @@ def _cause_status(c: JsonMap) -> str:
 
 
 def _headline_lines(analysis: JsonMap, backend: str) -> list[str]:
-    """Whether the mask fired, the state and its cause, and where it ran."""
     c = obj(analysis["classification"])
     rows = objs(analysis.get("per_update") or [])
     fired = c["mask_fired"] or any(num(r.get("dppo/removed") or 0) > 0 for r in rows)
@@ -52,7 +51,6 @@ def _headline_lines(analysis: JsonMap, backend: str) -> list[str]:
 
 
 def _run_lines(analysis: JsonMap) -> list[str]:
-    """The run's size, time, batch, schedule and loss, as configured and as done."""
     cfg = obj(analysis["config"])
     lines = [
         "",
@@ -103,7 +101,6 @@ def _criteria_lines(analysis: JsonMap) -> list[str]:
 
 
 def _per_update_lines(rows: Sequence[JsonMap]) -> list[str]:
-    """One table row per optimizer update (the loss call before it)."""
     lines = [
         "",
         "## Per update (the loss call before each optimizer step)",
@@ -156,7 +153,6 @@ def _plot_lines(plot_files: Mapping[str, str]) -> list[str]:
 
 
 def _defect_and_fix_lines(analysis: JsonMap) -> list[str]:
-    """The evidence against a code defect, and the fixes this loop made."""
     c = obj(analysis["classification"])
     lines = [
         "",

@@ -1,10 +1,8 @@
 """The bounded diagnostic's fixed analysis and its one evidence writer: the only diagnostic code that
 knows its file names and the result.json fields it sets (the names replay and the session also read
-live in `instrument.instrumentation`, which must not import the diagnostic). Declarations before any service
-work (`declare`), the frozen batch, update archives and progress snapshots as the run goes (a kill
-leaves a valid bundle), and after it the analysis (`analyse`: all second-epoch loss calls pooled by
-loss tokens, no selection; the plan's criteria; integrity re-checks; the classification for the
-planned model; the next action) and everything it writes (`write_evidence`)."""
+live in `instrument.instrumentation`, which must not import the diagnostic). What it writes as the
+run goes leaves a valid bundle if the run is killed; `analyse` pools ALL second-epoch loss calls by
+loss tokens (no selection)."""
 
 from __future__ import annotations
 
