@@ -64,7 +64,6 @@ def test_trained_client_gets_its_own_restore_check_and_initial_output():
         restore={"loaded_checkpoint_uri": "tinker://m:train:3/w", "load_succeeded": True},
         initial_output=init_out,
         own_check=own,
-        restore_ref="analysis#restore",
     )
     assert e["restore_count"] == 2
     assert [c["after_restore"] for c in e["optimizer_checks"]] == [0, 1, 2]

@@ -79,7 +79,6 @@ def truncation_warnings(
 
 
 def _title_lines(decision: JsonMap, backend: str, resume: JsonMap | None) -> list[str]:
-    """The compared pairs as the title, the rehearsal warning when it is one, and the resume account."""
     pairs = "; ".join(dict.fromkeys(f"{c['treatment']} vs {c['baseline']}" for c in objs(decision.get("criteria", []))))
     lines = [f"# Paired comparison: {pairs or 'no criterion decided'}", ""]
     if backend == "local" or decision.get("rehearsal"):
@@ -142,7 +141,6 @@ def _per_step_lines(rows: Sequence[JsonMap]) -> list[str]:
 def _evaluation_lines(
     scores: Sequence[JsonMap], eval_metrics: Mapping[str, JsonMap], max_tokens: int | None
 ) -> list[str]:
-    """One table row per scored model, then a warning for each whose outputs were mostly truncated."""
     lines = [
         "## Evaluation (one frozen evaluator, greedy)",
         "",

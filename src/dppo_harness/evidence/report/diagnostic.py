@@ -30,7 +30,6 @@ def _cause_status(c: JsonMap) -> str:
 
 
 def _headline_lines(analysis: JsonMap, backend: str) -> list[str]:
-    """Whether the mask fired, the state and its cause, and where it ran."""
     c = obj(analysis["classification"])
     rows = objs(analysis.get("per_update") or [])
     fired = c["mask_fired"] or any(num(r.get("dppo/removed") or 0) > 0 for r in rows)
@@ -52,7 +51,6 @@ def _headline_lines(analysis: JsonMap, backend: str) -> list[str]:
 
 
 def _run_lines(analysis: JsonMap) -> list[str]:
-    """The run's size, time, batch, schedule and loss, as configured and as done."""
     cfg = obj(analysis["config"])
     lines = [
         "",
@@ -103,7 +101,6 @@ def _criteria_lines(analysis: JsonMap) -> list[str]:
 
 
 def _per_update_lines(rows: Sequence[JsonMap]) -> list[str]:
-    """One table row per optimizer update (the loss call before it)."""
     lines = [
         "",
         "## Per update (the loss call before each optimizer step)",
@@ -150,18 +147,12 @@ def _sentinel_lines(sent: JsonMap) -> list[str]:
 
 def _plot_lines(plot_files: Mapping[str, str]) -> list[str]:
     lines = ["", "## Plots", ""]
-    for key, title in (
-        ("drift_tails", "Drift tails per update"),
-        ("histograms", "p - q histograms by advantage sign"),
-        ("fractions", "Masked and clip fraction per update"),
-        ("sentinels", "Sentinel drift"),
-    ):
+    for key, (_, title) in PLOTS.items():
         lines.append(f"![{title}]({plot_files[key]})" if key in plot_files else f"- {title}: not available (no data)")
     return lines
 
 
 def _defect_and_fix_lines(analysis: JsonMap) -> list[str]:
-    """The evidence against a code defect, and the fixes this loop made."""
     c = obj(analysis["classification"])
     lines = [
         "",
@@ -178,9 +169,7 @@ def _defect_and_fix_lines(analysis: JsonMap) -> list[str]:
     return lines
 
 
-def _next_action_lines(next_action: JsonMap | None) -> list[str]:
-    if not next_action:
-        return []
+def _next_action_lines(next_action: JsonMap) -> list[str]:
     lines = ["", "## Next action (not executed)", ""]
     if next_action.get("kind") == "frozen_revised_comparison_spec":
         lines.append(
@@ -208,9 +197,7 @@ def _limitation_lines(c: JsonMap, backend: str) -> list[str]:
     return lines
 
 
-def render_markdown(
-    analysis: JsonMap, plot_files: Mapping[str, str], backend: str, next_action: JsonMap | None = None
-) -> str:
+def render_markdown(analysis: JsonMap, plot_files: Mapping[str, str], backend: str, next_action: JsonMap) -> str:
     lines = _headline_lines(analysis, backend)
     lines += _run_lines(analysis)
     lines += _criteria_lines(analysis)
@@ -223,11 +210,9 @@ def render_markdown(
     return "\n".join(lines) + "\n"
 
 
-def write_report(
-    bundle: EvidenceBundle, analysis: JsonMap, backend: str, next_action: JsonMap | None = None
-) -> dict[str, str]:
+def write_report(bundle: EvidenceBundle, analysis: JsonMap, backend: str, next_action: JsonMap) -> dict[str, str]:
     """Render plots and report.md, register them in the bundle; returns {key: file name}."""
-    names = {key: bundle.register_bytes(PLOTS[key], "plot", data)["name"] for key, data in make_plots(analysis).items()}
+    names = {k: bundle.register_bytes(PLOTS[k][0], "plot", data)["name"] for k, data in make_plots(analysis).items()}
     text = render_markdown(analysis, names, backend, next_action)
     bundle.register_bytes(REPORT_FILE, "report", text.encode())
     return {**names, "report": REPORT_FILE}

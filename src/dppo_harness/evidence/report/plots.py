@@ -19,11 +19,12 @@ from dppo_harness.instrument.rule_fraction import fraction
 from dppo_harness.json_types import JsonMap, items, num, obj, objs
 from dppo_harness.loss.terms import delta_bins, hist_bin_labels, magnitude_edges
 
+# The diagnostic's plots: file name and the report's title, in the report's order.
 PLOTS = {
-    "drift_tails": "diagnostic-drift-tails.png",
-    "histograms": "diagnostic-p-minus-q-histograms.png",
-    "fractions": "diagnostic-masked-and-clip-fraction.png",
-    "sentinels": "diagnostic-sentinel-drift.png",
+    "drift_tails": ("diagnostic-drift-tails.png", "Drift tails per update"),
+    "histograms": ("diagnostic-p-minus-q-histograms.png", "p - q histograms by advantage sign"),
+    "fractions": ("diagnostic-masked-and-clip-fraction.png", "Masked and clip fraction per update"),
+    "sentinels": ("diagnostic-sentinel-drift.png", "Sentinel drift"),
 }
 
 
@@ -34,13 +35,9 @@ def _png(fig: Figure) -> bytes:
     return buf.getvalue()
 
 
-def _xs(rows: Sequence[JsonMap]) -> list[float]:
-    return [num(r["update_index"]) for r in rows]
-
-
 def plot_drift_tails(rows: Sequence[JsonMap], delta: float) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    x = _xs(rows)
+    x = [num(r["update_index"]) for r in rows]
     for stat, style in zip(("signed_max", "signed_p99", "signed_p90", "signed_min", "abs_p90", "abs_p99"), "^o.vsD"):
         key = f"drift/{stat}"
         line = ("--" if stat.startswith("abs") else "-") + style
@@ -79,7 +76,7 @@ def plot_histograms(hist: JsonMap, delta: float, scope: str) -> bytes:
 
 def plot_fractions(rows: Sequence[JsonMap], criteria: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    x = _xs(rows)
+    x = [num(r["update_index"]) for r in rows]
     for rule, marker in (("dppo/masked_frac", "o"), ("ppo/clip_frac", "s")):
         for over, ls in (("loss_tokens", "-"), ("nonzero_adv", "--")):
             key = f"{rule}_{over}"

@@ -21,22 +21,20 @@ def pct(x: JsonValue) -> str:
     return f"{100 * num(x):.1f}%"
 
 
-def yield_text(y: JsonMap) -> str:
-    """'12 of 256 responses (4.7%) truncated at max_tokens 512, 30 (11.7%) without a parseable answer, mean 210 tokens'."""
-    limit = f" at max_tokens {y['max_tokens']}" if y.get("max_tokens") else ""
-    return (
-        f"{y['truncated']} of {y['n']} responses ({pct(y['truncated_frac'])}) truncated{limit}, "
-        f"{y['no_answer']} ({pct(y['no_answer_frac'])}) without a parseable answer, mean "
-        f"{y['mean_response_tokens']:.0f} tokens"
-    )
-
-
 def declared_lines(declared: JsonMap, measured: Sequence[tuple[str, JsonMap | None]]) -> list[str]:
     """The renderer and its thinking mode with the measured truncation right under it, and the loss
     normalization against the cookbook ppo's sum (both as effective-config.json declares them)."""
     out = []
     r = obj(declared["renderer"]) if declared.get("renderer") else None
-    seen = [f"  - {label}: {yield_text(y)}" for label, y in measured if y]
+    # '  - label: 12 of 256 responses (4.7%) truncated at max_tokens 512, 30 (11.7%) without a parseable answer, mean 210 tokens'
+    seen = [
+        f"  - {label}: {y['truncated']} of {y['n']} responses ({pct(y['truncated_frac'])}) truncated"
+        + (f" at max_tokens {y['max_tokens']}" if y.get("max_tokens") else "")
+        + f", {y['no_answer']} ({pct(y['no_answer_frac'])}) without a parseable answer, mean "
+        f"{y['mean_response_tokens']:.0f} tokens"
+        for label, y in measured
+        if y
+    ]
     if r:
         prefill = (
             "every generation prompt ends with `<think>\\n`" if r.get("thinking") == "enabled" else "no think prefill"

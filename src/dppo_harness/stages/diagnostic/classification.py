@@ -23,7 +23,7 @@ from pydantic import JsonValue
 from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import POOLED_QUANTILES, RATIO_PARTS
-from dppo_harness.json_types import JsonMap, JsonObject, num
+from dppo_harness.json_types import JsonMap, JsonObject, items, num
 from dppo_harness.loss import losses
 from dppo_harness.loss.loss_registry import DPPO_LOSS, GRPO_LOSS, get_loss
 from dppo_harness.loss.terms import LossStats
@@ -33,6 +33,7 @@ from dppo_harness.stages.diagnostic.config import DiagnosticError
 if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec
     from dppo_harness.plans.models import AnalysisCriterion, BoundedDiagnostic
+    from dppo_harness.rollout.frozen_batch import FrozenBatch
     from dppo_harness.stages.diagnostic.loop import SentinelPoint, SentinelSummary
 
 CAUSES = (
@@ -62,26 +63,19 @@ def pinned_variant_problems(cfg: losses.LossConfig) -> list[str]:
     return problems
 
 
-def trainer_moved(sentinels: SentinelSummary) -> bool | None:
-    """Whether the sentinels saw the trainer's probabilities change since initialization."""
-    last = sentinels.get("last")
-    if not last:
-        return None
-    return bool(last["summary"]["p_minus_p_init"]["abs_max"] > 0.0)
-
-
 def anchor_problems(
     records: Sequence[ins.LossCallRecord],
-    frozen_sampler_by_call: Sequence[np.ndarray] | None,
+    frozen: FrozenBatch | None,
     moved: bool | None = None,
 ) -> list[str]:
-    """The anchor must be the frozen sampler logprobs: never refreshed, never the current policy.
-    Anchor == current only convicts when the sentinels show the trainer actually moved (with a
-    zero learning rate and a bit-identical sampler the two are legitimately equal)."""
+    """The anchor must be the frozen sampler logprobs of each call's sequences: never refreshed,
+    never the current policy. Anchor == current only convicts when the sentinels show the trainer
+    actually moved (with a zero learning rate and a bit-identical sampler the two are legitimately equal)."""
     problems = []
-    if frozen_sampler_by_call:  # none kept: nothing to compare
-        for r, want in zip(records, frozen_sampler_by_call, strict=True):
-            got = r.tensors["sampler_logprobs_N"]
+    if frozen is not None:  # none: nothing to compare
+        for r in records:
+            got, indices = r.tensors["sampler_logprobs_N"], items(r.context["sequence_indices"])
+            want = np.concatenate([frozen.sequence(int(num(s)))["logprobs"] for s in indices])
             if got.shape != want.shape or not np.array_equal(got.astype(np.float64), want.astype(np.float64)):
                 problems.append(
                     f"update {r.context.get('update_index')}: anchor logprobs differ from the frozen batch (refreshed?)"
@@ -119,14 +113,6 @@ class Classification:
     measured_cause: str | None
     served_model: str | None
     stand_in: bool
-
-
-def _selftest_line(selftest: SelftestReport) -> str:
-    """The self-test's verdict and case count: the evidence against a code defect."""
-    return (
-        f"deterministic must-fire/must-not-fire self-test {'passed' if selftest.get('passed') else 'FAILED'} "
-        f"({sum(c['passed'] for c in selftest.get('cases', {}).values())}/{len(selftest.get('cases', {}))} cases)"
-    )
 
 
 def _pooled_line(pooled: Mapping[str, JsonValue], delta: float) -> str:
@@ -182,7 +168,11 @@ def classify(
     stand-in nothing measured is evidence about the planned model, so it is missing_evidence
     whatever the stand-in did (`measured_cause` keeps the measured one); a code defect found on the
     stand-in stays a defect (the code is the same)."""
-    evidence_against_defect = _selftest_line(selftest)
+    cases = selftest.get("cases", {})
+    evidence_against_defect = (  # the self-test's verdict and case count
+        f"deterministic must-fire/must-not-fire self-test {'passed' if selftest.get('passed') else 'FAILED'} "
+        f"({sum(c['passed'] for c in cases.values())}/{len(cases)} cases)"
+    )
     applicable = [c for c in criteria if c.applies]
     active = bool(applicable) and all(c.passed for c in applicable) and not integrity_problems and not variant_problems
     removed = pooled.get("dppo/removed", 0) if pooled else 0

@@ -55,6 +55,7 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ExperimentSpec, Plan
     from dppo_harness.plans.models import BoundedDiagnostic
     from dppo_harness.stages.restoration import RestorationResult
+    from dppo_harness.train.optimizer_checks import OptimizerCheck
 
 
 class SentinelPoint(TypedDict):
@@ -107,7 +108,7 @@ class SentinelTracker:
         self.pending: list[tuple[tinker.APIFuture[tinker.ForwardBackwardOutput], int, float]] = []
 
     def collect(self) -> None:
-        """Await the deferred sentinel forwards, in submission order, and record their points."""
+        """Await the submitted sentinel forwards, in submission order, and record their points."""
         while self.pending:
             future, after_update, elapsed_s = self.pending.pop(0)
             out = future.result()
@@ -115,26 +116,17 @@ class SentinelTracker:
                 raise RuntimeError(
                     f"sentinel forward returned {len(out.loss_fn_outputs)} outputs for {len(self.datums)} datums"
                 )
-            self._add(
-                after_update, elapsed_s, [np.asarray(o["logprobs"].to_numpy()).reshape(-1) for o in out.loss_fn_outputs]
+            lp = np.concatenate([o["logprobs"].to_numpy().astype(np.float32).reshape(-1) for o in out.loss_fn_outputs])
+            if self._init is None:
+                self._init = lp
+            self.points.append(
+                {
+                    "after_update": after_update,
+                    "elapsed_s": elapsed_s,
+                    "summary": ins.sentinel_summary(lp, self.sampler_logprobs, self._init, self.mask, self.advantages),
+                    "logprobs": lp.tolist(),
+                }
             )
-
-    def measure(self, tc: tinker.TrainingClient, after_update: int, elapsed_s: float) -> None:
-        self.collect()
-        self._add(after_update, elapsed_s, full_logprobs(tc, self.datums))
-
-    def _add(self, after_update: int, elapsed_s: float, logprobs: Sequence[np.ndarray]) -> None:
-        lp = np.concatenate([x.astype(np.float32).reshape(-1) for x in logprobs])
-        if self._init is None:
-            self._init = lp
-        self.points.append(
-            {
-                "after_update": after_update,
-                "elapsed_s": elapsed_s,
-                "summary": ins.sentinel_summary(lp, self.sampler_logprobs, self._init, self.mask, self.advantages),
-                "logprobs": lp.tolist(),
-            }
-        )
 
     def summary(self) -> SentinelSummary:
         """Points without the raw logprobs, plus the first and last (for the analysis). A deferred
@@ -176,7 +168,6 @@ class RunState:
     cap_seconds: float = math.inf  # the wall cap in effect (the plan's, or the run budget's end when earlier)
     wall_seconds: float = 0.0  # when the service work stopped, from t0
     records: list[ins.LossCallRecord] = field(default_factory=list)
-    frozen_by_call: list[np.ndarray] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     restore: JsonObject = field(default_factory=dict)
     frozen: FrozenBatch | None = None
@@ -194,6 +185,7 @@ class RunState:
     snapshots: list[str] = field(default_factory=list)
     info: tinker.types.GetInfoResponse | None = None  # the trained client's get_info response
     first_optim: tinker.OptimStepResponse | None = None  # the trained client's own first optim_step response
+    own_check: OptimizerCheck | None = None  # the optimizer check from that response
     initial_output: JsonObject | None = None
     preloaded: bool = False  # trains the restoration preflight's loaded client (no restore of its own)
     rollout_yield: dict[str, Any] | None = None  # the frozen batch's truncation and answer yield
@@ -283,7 +275,8 @@ def _freeze_and_split(
     state.minibatches = [mb.record() for mb in mbs]
     sentinels = state.sentinels = SentinelTracker(frozen, SENTINELS_PER_SIGN, d.recording.sentinels.after_updates)
     if 0 in sentinels.after_updates:
-        sentinels.measure(tc, 0, state.elapsed())
+        sentinels.pending.append((tc.forward(list(sentinels.datums), "cross_entropy"), 0, state.elapsed()))
+        sentinels.collect()
     state.setup_seconds = state.elapsed()
     say(
         f"[diagnostic] setup done in {state.setup_seconds:.0f}s; training {sch.epochs} epochs x {len(mbs)} minibatches "
@@ -402,6 +395,12 @@ def _train_epochs(
     last_update_s = 0.0
     tokens_seen = 0
     stop = None
+
+    def persist(rec: ins.LossCallRecord) -> None:
+        # Persisted before the optimizer step it feeds (staged, then registered in its archive).
+        state.archive.add(rec)
+        state.records.append(rec)
+
     for epoch, mb in [(e, mb) for e in range(1, epochs + 1) for mb in mbs]:
         # The update cap, or the wall cap when one more update (as long as the last) and writing
         # the analysis would pass it.
@@ -418,14 +417,6 @@ def _train_epochs(
         update_index = state.updates_done + 1
         frozen.assert_intact()  # before every reuse (to_datums checks again)
         datums = frozen.to_datums(mb.sequence_indices)
-        anchor = np.concatenate([frozen.sequence(s)["logprobs"] for s in mb.sequence_indices])
-
-        def persist(rec: ins.LossCallRecord, anchor: np.ndarray = anchor) -> None:
-            # Persisted before the optimizer step it feeds (staged, then registered in its archive).
-            state.archive.add(rec)
-            state.records.append(rec)
-            state.frozen_by_call.append(anchor)
-
         due = update_index in sentinels.after_updates
         context: JsonObject = {
             "update_index": update_index,
@@ -447,14 +438,13 @@ def _train_epochs(
         phases = dict(upd.phases, sentinel_wait=clock() - t_collect)
         if due and upd.behind is not None:
             sentinels.pending.append((upd.behind, update_index, elapsed()))
-        if state.first_optim is None:
-            state.first_optim = upd.optim
         state.updates_done = update_index
-        # The trained client's own optimizer echo, checked before update 2: a mismatch stops the run.
-        check = own_optimizer_check(plan, state) if update_index == 1 else None
-        if check and check["mismatches"]:
-            stop = "optimizer mismatch after update 1: " + "; ".join(check["mismatches"])
-            state.errors.append(stop)
+        if update_index == 1:  # the trained client's own optimizer echo, checked before update 2
+            state.first_optim = upd.optim
+            state.own_check = own_optimizer_check(plan, upd.optim, state.info)
+            if state.own_check["mismatches"]:  # a mismatch stops the run
+                stop = "optimizer mismatch after update 1: " + "; ".join(state.own_check["mismatches"])
+                state.errors.append(stop)
         tokens_seen += rec.stats["tokens/loss"]
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)

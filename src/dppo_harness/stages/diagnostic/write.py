@@ -1,10 +1,8 @@
 """The bounded diagnostic's fixed analysis and its one evidence writer: the only diagnostic code that
 knows its file names and the result.json fields it sets (the names replay and the session also read
-live in `instrument.instrumentation`, which must not import the diagnostic). Declarations before any service
-work (`declare`), the frozen batch, update archives and progress snapshots as the run goes (a kill
-leaves a valid bundle), and after it the analysis (`analyse`: all second-epoch loss calls pooled by
-loss tokens, no selection; the plan's criteria; integrity re-checks; the classification for the
-planned model; the next action) and everything it writes (`write_evidence`)."""
+live in `instrument.instrumentation`, which must not import the diagnostic). What it writes as the
+run goes leaves a valid bundle if the run is killed; `analyse` pools ALL second-epoch loss calls by
+loss tokens (no selection)."""
 
 from __future__ import annotations
 
@@ -15,9 +13,9 @@ import math
 import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict
 
+import tinker
 from pydantic import JsonValue
 
 from dppo_harness.evidence import budget, report
@@ -39,7 +37,6 @@ from dppo_harness.stages.diagnostic.classification import (
     evaluate_criteria,
     next_action,
     pinned_variant_problems,
-    trainer_moved,
 )
 from dppo_harness.stages.diagnostic.config import (
     BASIS_FOR_REFERENCES,
@@ -250,9 +247,10 @@ def analyse(
         for r in records
         for problem in replay.check_record(r, loss_cfg.dppo_delta, loss_cfg.ratio_cap, loss_cfg.ppo_eps).problems
     ]
-    variant = pinned_variant_problems(loss_cfg) + anchor_problems(
-        records, state.frozen_by_call, trainer_moved(sentinels)
-    )
+    # The anchor equal to the current policy convicts only when the sentinels saw the trainer move.
+    last = sentinels.get("last")
+    moved = bool(last["summary"]["p_minus_p_init"]["abs_max"] > 0.0) if last else None
+    variant = pinned_variant_problems(loss_cfg) + anchor_problems(records, state.frozen, moved)
     classification = classify(
         criteria=criteria,
         pooled=pooled,
@@ -317,20 +315,19 @@ def post_progress(bundle: EvidenceBundle, max_updates: int, state: RunState) -> 
         state.snapshots.append(name)
 
 
-def own_optimizer_check(plan: Plan, state: RunState) -> OptimizerCheck | None:
+def own_optimizer_check(
+    plan: Plan, first_optim: tinker.OptimStepResponse, info: tinker.types.GetInfoResponse | None
+) -> OptimizerCheck:
     """The optimizer check from the trained client's OWN first optim_step response (its metrics
-    are optional in the SDK's OptimStepResponse: absent, the config stays declared), or None
-    before update 1."""
-    if state.first_optim is None:
-        return None
+    are optional in the SDK's OptimStepResponse: absent, the config stays declared)."""
     requested = adam(plan.diagnostic)
     return optimizer_check(
         after_restore=0,
         requested_optimizer=plan.diagnostic.fixed_settings.optimizer.name,
         requested_config=requested,
-        info=state.info,
+        info=info,
         info_ref=f"{ANALYSIS_FILE}#restore.get_info",
-        echoed=echoed_config(state.first_optim.metrics, list(requested)),
+        echoed=echoed_config(first_optim.metrics, list(requested)),
         echo_ref=f"{ANALYSIS_FILE}#trained_client_first_optim_step",
         echo_observed_on="the trained client's own optim_step response of update 1 (checked before update 2)",
     )
@@ -374,8 +371,7 @@ def write_evidence(
             prior,
             restore=state.restore,
             initial_output=state.initial_output,
-            own_check=own_optimizer_check(plan, state),
-            restore_ref=f"{ANALYSIS_FILE}#restore",
+            own_check=state.own_check,
             new_restore=not state.preloaded,
         )
         bundle.update_result(initialization_provenance={"arms": {arm: entry}})
@@ -501,7 +497,6 @@ def trained_client_entry(
     restore: JsonObject,
     initial_output: JsonObject,
     own_check: OptimizerCheck | None,
-    restore_ref: str,
     new_restore: bool = True,
 ) -> JsonObject:
     """The trained arm's `initialization_provenance` entry: an optimizer check from the trained
@@ -516,7 +511,7 @@ def trained_client_entry(
     init.update(
         loaded_checkpoint_uri=restore.get("loaded_checkpoint_uri"),
         load_succeeded=bool(restore.get("load_succeeded")),
-        evidence_ref=restore_ref,
+        evidence_ref=f"{ANALYSIS_FILE}#restore",
         before_first_update=True,
     )
     return {
@@ -549,10 +544,6 @@ class UpdateArchive:
     per_file: int
     pending: list[ins.LossCallRecord] = field(default_factory=list)
 
-    @property
-    def staging_path(self) -> Path:
-        return self.bundle.dir / STAGING_FILE
-
     def add(self, record: ins.LossCallRecord) -> None:
         """Persist `record` (durable before this returns); register the archive once it is full."""
         self.pending.append(record)
@@ -574,6 +565,5 @@ class UpdateArchive:
             self.bundle.register_bytes(name, "tensors", data)
             names.append(name)
             del self.pending[:take]
-        if self.staging_path.exists():
-            self.staging_path.unlink()
+        (self.bundle.dir / STAGING_FILE).unlink(missing_ok=True)
         return names
