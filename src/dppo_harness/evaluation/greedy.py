@@ -176,8 +176,6 @@ def select_items(
 ) -> tuple[tuple[Gsm8kItem, ...], dict[str, str] | None]:
     """All test items by default. A subset (the first ``n_items`` in order) needs a reason and
     comes back with the deviation record to register before scoring."""
-    if test.split != "test":
-        raise ValueError("evaluation uses the GSM8K test split")
     if n_items is None or n_items == len(test):
         return test.items, None
     if not 0 < n_items < len(test):
@@ -291,8 +289,6 @@ def evaluate(
 ) -> EvalResult:
     """Greedy-decode every item, grade, and return one row per item (invalid outputs score 0).
     `on_item(done)` after each answer received, so a caller can say how far it is."""
-    if not arm or not checkpoint:
-        raise ValueError("arm and checkpoint must be named")
     evaluator.check_unchanged()
     renderer = evaluator.bundle.renderer
     stop = renderer.get_stop_sequences()
