@@ -16,7 +16,6 @@ from __future__ import annotations
 import concurrent.futures
 import hashlib
 import platform
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -231,7 +230,6 @@ class EvalResult:
     checkpoint: str
     evaluator_id: str
     rows: tuple[PredictionRow, ...]
-    seconds: float
 
     @property
     def accuracy(self) -> float:
@@ -297,7 +295,6 @@ def evaluate(
     )
     data = dataset.get(dataset_of(evaluator.items))  # the seam: the items' own dataset prompts and grades
     prompts = [data.build_prompt(it, renderer)[0] for it in evaluator.items]
-    t0 = time.perf_counter()
     responses: list[tinker.SampleResponse | None] = [None] * len(prompts)
     # Sliding window: many requests in flight, bounded so a real service is not flooded.
     pending: list[tuple[int, concurrent.futures.Future[tinker.SampleResponse]]] = []
@@ -342,7 +339,7 @@ def evaluate(
                 "evaluator_id": evaluator.evaluator_id,
             }
         )
-    return EvalResult(arm, seed, checkpoint, evaluator.evaluator_id, tuple(rows), time.perf_counter() - t0)
+    return EvalResult(arm, seed, checkpoint, evaluator.evaluator_id, tuple(rows))
 
 
 def observations_jsonl(results: Sequence[EvalResult]) -> bytes:

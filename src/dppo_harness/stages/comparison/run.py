@@ -396,7 +396,7 @@ class Arms:
         """The arm whose current client is the lost model, if it has not lost one before (the one
         replacement an arm gets); None otherwise: the loss stops the run."""
         for name, client in self.clients.items():
-            if str(getattr(client, "model_id", "")) == lost.model_id and not self.state.arms[name].lost_models:
+            if str(client.model_id) == lost.model_id and not self.state.arms[name].lost_models:
                 return name
         return None
 
