@@ -180,8 +180,6 @@ def test_a_restore_that_did_not_load_the_path_asked_for_stops_the_run(monkeypatc
 def test_arms_run_one_after_the_other(option, backend, want):
     schedule, source = comparison_schedule(option, (backend or {}).get("kind"))
     assert (schedule, source.split(" (")[0]) == want
-    with pytest.raises(ComparisonError, match="'concurrent' is not offered"):
-        comparison_schedule("concurrent", "local")
 
 
 def test_the_schedule_option_defaults_to_the_service_default(pytestconfig):

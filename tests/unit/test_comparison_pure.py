@@ -19,7 +19,6 @@ from dppo_harness.stages.comparison.decision import (
     CriterionDecision,
     decide_criteria,
     decision_block,
-    recompute_from_file,
     verdict,
 )
 from dppo_harness.stages.comparison.resume import resume_problems, rewind_to_common_save
@@ -300,8 +299,8 @@ def test_decide_criteria_uses_the_spec_rule_and_recomputes_from_file(tmp_path):
     assert crit[0].lower > 0 and verdict(crit, rehearsal=False)[0] == "supported"
     data = "".join(json.dumps(r) + "\n" for r in rows).encode()
     (tmp_path / "obs.jsonl").write_bytes(data)
-    again = recompute_from_file(tmp_path / "obs.jsonl", rule["criteria"], alpha=rule["alpha"])
-    assert again[0]["lower"] == crit[0].lower
+    again = decide_criteria(stats.read_observations(tmp_path / "obs.jsonl"), rule["criteria"], alpha=rule["alpha"])
+    assert again[0].lower == crit[0].lower
     block = decision_block(data, crit, verdict(crit, rehearsal=False), rehearsal=False)
     assert block["version"] == 1 and block["observations_file"]["name"] == OBSERVATIONS_FILE
     with pytest.raises(stats.ObservationError, match="unpaired"):

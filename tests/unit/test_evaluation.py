@@ -224,5 +224,5 @@ def test_predictions_file_keeps_every_row_key():
         "n_tokens": 512,
         "evaluator_id": "e" * 64,
     }
-    out = evaluation.EvalResult("grpo_seed0", 0, "tinker://x", "e" * 64, (row,), 0.0).predictions_jsonl()
+    out = evaluation.EvalResult("grpo_seed0", 0, "tinker://x", "e" * 64, (row,)).predictions_jsonl()
     assert [json.loads(line) for line in out.decode().splitlines()] == [row]

@@ -3,10 +3,7 @@
 For scores in ``[a, b]`` the per-item differences lie in ``[a-b, b-a]``, a range of ``2(b-a)``
 (2 for accuracy). Hoeffding's two-sided bound on their mean gives the half-width
 ``range * sqrt(ln(2/alpha) / (2n))``; with n=1319, alpha=0.05 and range 2 it is 0.07479.
-
-Verdict (supported or refuted only when the interval settles the margin):
-``supported`` if ``lower > margin``, ``refuted`` if ``upper < margin``, otherwise ``inconclusive``
-(the interval contains or touches the margin).
+The verdict is supported or refuted only when the interval settles the margin (`decide`).
 
 Beside it, never used for the verdict: an informational paired interval for two proportions
 (Newcombe 1998, method 10) with the discordant-pair counts and the exact McNemar test

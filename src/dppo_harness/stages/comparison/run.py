@@ -123,12 +123,9 @@ def run_comparison(
     schedule_source: str = "given",
     guard: WallGuard | None = None,
 ) -> ComparisonResult:
-    """Run (or continue, `resume_run_id`) the paired comparison and write its evidence.
-
-    Any stop before every arm finished (wall guard, optimizer mismatch on a restore, a response
-    the run cannot use, capacity, a service stop, `stop_after` raising StopRequested) leaves the
-    evidence written so far and returns a final failed / inconclusive / incomplete_execution with
-    the reason."""
+    """Run (or continue, `resume_run_id`) the paired comparison and write its evidence. A stop (wall
+    guard, optimizer mismatch, an unusable response, capacity, a service stop, StopRequested)
+    returns a failed / inconclusive / incomplete_execution final with the reason."""
     if plan.run is None:
         raise ComparisonError(f"plan {plan.name}: a {plan.kind} plan has no paired comparison")
     run, state_root = plan.run, Path(state_root)
@@ -399,7 +396,7 @@ class Arms:
         """The arm whose current client is the lost model, if it has not lost one before (the one
         replacement an arm gets); None otherwise: the loss stops the run."""
         for name, client in self.clients.items():
-            if str(getattr(client, "model_id", "")) == lost.model_id and not self.state.arms[name].lost_models:
+            if str(client.model_id) == lost.model_id and not self.state.arms[name].lost_models:
                 return name
         return None
 

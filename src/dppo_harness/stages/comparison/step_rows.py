@@ -129,9 +129,8 @@ def step_metrics(
     rollout_seconds: float | None = None,
 ) -> StepRowJson:
     """One arm-step row: reward/format/truncation from the batch, loss metrics of the step's minibatch
-    updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate).
-    A rule the arm's registered `loss` does not train with (the GRPO arm's DPPO mask, the DPPO arm's
-    PPO clip) is a counterfactual count on the same tensors, keyed `counterfactual_` (`fraction_names`)."""
+    updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate);
+    a rule the arm does not train with is keyed `counterfactual_` (`fraction_names`)."""
     den = int(sum(r.stats["tokens/loss"] for r in records))
     last = records[-1].stats if records else {}
 

@@ -31,13 +31,9 @@ def per_unit_seconds(block: Mapping[str, JsonValue] | None, phase_name: str) -> 
 
 @dataclass
 class WallGuard:
-    """Stops the training loop before the plan's wall budget is passed.
-
-    Before each step: the projected step time (the longest step measured in this session, else
-    `first_step_estimate_s`) plus `reserve_s` (what must still run after training: finalizing and
-    evaluating, from measured figures) must fit in `remaining()` (the budget ledger's seconds left).
-    With no measurement yet and no estimate, the step runs unless the budget is already spent.
-    """
+    """Before each step: the projected step time (the longest step measured in this session, else
+    `first_step_estimate_s`) plus `reserve_s` (finalizing and evaluating) must fit in `remaining()`
+    (the budget ledger's seconds left); with neither, the step runs unless the budget is spent."""
 
     remaining: Callable[[], float | None]
     reserve_s: float = FINALIZE_RESERVE_S
