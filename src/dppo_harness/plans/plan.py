@@ -27,13 +27,13 @@ from dppo_harness.plans.models import (
     PlanModel,
     RehearsalPlan,
     decode,
+    describe,
     detect_kind,
     validate_model,
 )
 from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
 from dppo_harness.plans.resolution import Resolution, load_resolution, quoted_values, resolution_path
 from dppo_harness.plans.run_config import RunConfig, build_run_config, registered_dataset
-from dppo_harness.plans.schema_errors import describe
 from dppo_harness.project import plans_dir as project_plans
 
 BackendKind = Literal["local", "tinker"]  # the embedded server ("local") or a service at TINKER_BASE_URL

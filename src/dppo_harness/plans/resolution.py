@@ -16,8 +16,16 @@ from typing import Annotated
 from pydantic import Field, ValidationError, model_validator
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.plans.models import ExperimentSpec, Launch, NonEmptyStr, PlanError, StrictModel, decode
-from dppo_harness.plans.schema_errors import describe, rule_error
+from dppo_harness.plans.models import (
+    ExperimentSpec,
+    Launch,
+    NonEmptyStr,
+    PlanError,
+    StrictModel,
+    decode,
+    describe,
+    rule_error,
+)
 
 SUFFIX = ".resolution.json"
 
