@@ -1,10 +1,8 @@
 """Strict pydantic models of the three plan kinds (docs/plans.md): the saved experiment spec,
 verbatim as exchanged (no `kind` key), the requester's `bounded_diagnostic`, and a `rehearsal` (a
 complete spec at rehearsal size with every difference from its saved spec declared). An invalid
-plan raises `PlanError` whose message starts with the field path. The strict base (`STRICT`,
-`StrictModel`) and its one-line error wording (`describe`: `activation_gate.checks[2].min: expected
-number, got str`) serve result.json's models too; a cross-field rule raises `rule_error(at, msg)` so
-that its message names the sub-field it is about.
+plan raises `PlanError` whose message starts with the field path. The strict base and its one-line
+error wording (`describe`; a cross-field rule names its sub-field through `rule_error`) serve result.json too.
 """
 
 from __future__ import annotations
