@@ -46,7 +46,7 @@ def test_saved_spec_schedule_values_carry_their_sentences():
         k: (val, RESOLUTION, first)
         for k, val in (("groups_per_batch", 32), ("group_size", 8), ("temperature", 1.0), ("max_tokens", 512))
     }
-    assert (run.minibatches_per_batch, run.stated["minibatches_per_batch"].source) == (
+    assert (run.stated["minibatches_per_batch"].value, run.stated["minibatches_per_batch"].source) == (
         2,
         "The rollout batch is split into 2 minibatches.",
     )

@@ -15,7 +15,7 @@ from pydantic import BaseModel
 
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.plans import BackendKind, Plan
-from dppo_harness.plans.schema_errors import STRICT
+from dppo_harness.plans.models import STRICT
 
 EMBEDDED_KEY = "embedded_server"  # the marker's key in get_server_capabilities
 SERVED_MODEL_UNAVAILABLE = "unavailable"  # the effective config's served_model when the service named no model

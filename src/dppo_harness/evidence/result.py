@@ -18,8 +18,15 @@ from dppo_harness.evidence.backend import Backend, Block, backend_of
 from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
 from dppo_harness.evidence.files import FileKind
 from dppo_harness.json_types import JsonObject, JsonValue
-from dppo_harness.plans.models import NonNegInt, PlanDeviation, Sha256, StrictModel
-from dppo_harness.plans.schema_errors import first_error, format_path, rule_error
+from dppo_harness.plans.models import (
+    NonNegInt,
+    PlanDeviation,
+    Sha256,
+    StrictModel,
+    first_error,
+    format_path,
+    rule_error,
+)
 
 REHEARSAL_PREFIX = "Local rehearsal on the embedded CPU server, not Spindle: "
 # A run under a rehearsal plan (plans/rehearsal/) on a real service is a rehearsal as well.

@@ -27,7 +27,7 @@ from dppo_harness.evidence.files import (
 )
 from dppo_harness.evidence.result import validate_result
 from dppo_harness.json_types import JsonMap
-from dppo_harness.plans.schema_errors import format_path
+from dppo_harness.plans.models import format_path
 from dppo_harness.service.secrets_scan import SecretLeakError, scanner_for
 
 _REF_KEYS = ("observations_file", "dataset_file", "evaluation_file", "audit_file")  # and every `*_ref`

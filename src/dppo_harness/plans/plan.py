@@ -27,13 +27,13 @@ from dppo_harness.plans.models import (
     PlanModel,
     RehearsalPlan,
     decode,
+    describe,
     detect_kind,
     validate_model,
 )
 from dppo_harness.plans.rehearsal import _derived_from_file, check_rehearsal, rehearsal_deviation
 from dppo_harness.plans.resolution import Resolution, load_resolution, quoted_values, resolution_path
 from dppo_harness.plans.run_config import RunConfig, build_run_config, registered_dataset
-from dppo_harness.plans.schema_errors import describe
 from dppo_harness.project import plans_dir as project_plans
 
 BackendKind = Literal["local", "tinker"]  # the embedded server ("local") or a service at TINKER_BASE_URL
@@ -44,9 +44,9 @@ class Plan:
     raw: JsonObject  # the decoded JSON (the plans package's business; stages read the models)
     sha256: str  # of the exact file bytes
     kind: PlanKind
+    model: PlanModel = field(repr=False, compare=False)  # the validated pydantic model
     path: Path | None = None
     data: bytes = field(default=b"", repr=False)
-    model: PlanModel | None = field(default=None, repr=False, compare=False)  # the validated pydantic model
     run: RunConfig | None = field(default=None, repr=False, compare=False)  # typed run config (spec kinds)
     resolution: Resolution | None = field(default=None, repr=False, compare=False)  # the file beside the plan
 
@@ -87,13 +87,13 @@ class Plan:
     @property
     def launch(self) -> Launch | None:
         """The plan's own launch block, else its resolution file's (a verbatim spec holds none)."""
-        own: Launch | None = getattr(self.model, "launch", None)
+        own = self.model.launch
         return own if own is not None or self.resolution is None else self.resolution.model.launch
 
     @property
     def launch_stated_in(self) -> str | None:
         """The resolution file's name when the launch comes from it, else None (the plan's own, or none)."""
-        own = getattr(self.model, "launch", None)
+        own = self.model.launch
         return self.resolution.file if own is None and self.resolution and self.resolution.model.launch else None
 
     @cached_property
@@ -167,7 +167,7 @@ def _check_resolution(model: PlanModel, resolution: Resolution | None) -> None:
     schedule in its own fields."""
     if resolution is None:
         return
-    if resolution.model.launch is not None and getattr(model, "launch", None) is not None:
+    if resolution.model.launch is not None and model.launch is not None:
         raise PlanError(f"{resolution.file}: launch: the plan states its own launch block; state it in one place")
     if (resolution.model.values or resolution.model.baseline_arm) and isinstance(model, BoundedDiagnostic):
         raise PlanError(
@@ -192,7 +192,7 @@ def parse_plan(data: bytes, path: Path | None = None, *, repo_root: Path | None 
             run = _run_config(model.spec, "spec.", path, resolution)
         elif isinstance(model, ExperimentSpec):
             run = _run_config(model, "", path, resolution)
-        plan = Plan(raw, hashlib.sha256(data).hexdigest(), kind, path, data, model, run, resolution)
+        plan = Plan(raw, hashlib.sha256(data).hexdigest(), kind, model, path, data, run, resolution)
         if isinstance(model, BoundedDiagnostic):
             _check_diagnostic(plan, resolve_original=path is not None)
     except PlanError as exc:

@@ -23,9 +23,9 @@ from dppo_harness.plans.models import (
     RehearsalPlan,
     _fail,
     decode,
+    format_path,
     validate_model,
 )
-from dppo_harness.plans.schema_errors import format_path
 
 # Spec subtrees a rehearsal may not change (its gates and thresholds stay as written), as
 # (pattern over the leaf path, exception pattern or None).

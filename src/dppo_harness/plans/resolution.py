@@ -11,13 +11,15 @@ import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 from pydantic import Field, ValidationError, model_validator
 
 from dppo_harness.json_types import JsonObject
-from dppo_harness.plans.models import ExperimentSpec, Launch, NonEmptyStr, PlanError, StrictModel, decode
-from dppo_harness.plans.schema_errors import describe, rule_error
+from dppo_harness.plans.models import Launch, NonEmptyStr, PlanError, StrictModel, decode, describe, rule_error
+
+if TYPE_CHECKING:
+    from dppo_harness.plans.models import ExperimentSpec
 
 SUFFIX = ".resolution.json"
 

@@ -179,13 +179,12 @@ class RunConfig:
     baseline_source: str  # where the baseline arm was named
     rollout_steps: int  # rollout batches per arm
     optimizer_steps: int  # spec.steps
-    updates_per_batch: int
+    updates_per_batch: int  # also the complete-group minibatches a rollout batch splits into
     batch_size: int
     groups_per_batch: int
     group_size: int
     temperature: float
     max_tokens: int
-    minibatches_per_batch: int
     eval_items: int
     gate_pilot_steps: int  # the activation gate's pilot length (its `reason` text states it)
     decision_method: str
@@ -295,7 +294,6 @@ def build_run_config(
         group_size=int(values["group_size"].value),
         temperature=float(values["temperature"].value),
         max_tokens=int(values["max_tokens"].value),
-        minibatches_per_batch=upb,
         eval_items=spec.eval.n_examples,
         gate_pilot_steps=int(pilot.value),
         decision_method=spec.decision_rule.method,
