@@ -55,6 +55,14 @@ class Plan:
         return self.path.name if self.path else f"plan-{self.sha256[:12]}.json"
 
     @property
+    def spec_run(self) -> RunConfig:
+        """The typed run config of a spec-kind plan (built at load); PlanError for a bounded
+        diagnostic (its original plan's is `spec_plan.spec_run`)."""
+        if self.run is None:
+            raise PlanError(f"kind: a {self.kind} plan has no run config of its own (see Plan.spec_plan)")
+        return self.run
+
+    @property
     def spec(self) -> JsonObject:
         """The experiment spec this plan runs as JSON: the plan itself, or a rehearsal's inner spec."""
         if self.kind == "bounded_diagnostic":

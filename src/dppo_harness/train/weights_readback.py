@@ -80,14 +80,17 @@ class ExternalWeightsUpdateNorm:
             return None  # no update on a client whose weights cannot be read
         apply_update()
         try:
-            after = self.read(client, f"lr-probe-{self._n}-after")
-            if set(before) != set(after):
-                raise ValueError(f"tensor names differ: {sorted(set(before) ^ set(after))[:5]}")
-            # float64 L2 norm of the parameter change over every tensor
-            return math.sqrt(sum(float(((after[k].double() - before[k].double()) ** 2).sum()) for k in sorted(before)))
+            return update_norm_from_tensors(before, self.read(client, f"lr-probe-{self._n}-after"))
         except Exception as exc:
             self.last_error = f"reading weights after the update failed: {type(exc).__name__}: {exc}"[:500]
             return None
+
+
+def update_norm_from_tensors(before: dict[str, torch.Tensor], after: dict[str, torch.Tensor]) -> float:
+    """The float64 L2 norm of the parameter change over every tensor (the same names on both sides)."""
+    if set(before) != set(after):
+        raise ValueError(f"tensor names differ: {sorted(set(before) ^ set(after))[:5]}")
+    return math.sqrt(sum(float(((after[k].double() - before[k].double()) ** 2).sum()) for k in sorted(before)))
 
 
 def _http_get(url: str) -> bytes:
