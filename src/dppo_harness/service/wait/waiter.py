@@ -183,9 +183,7 @@ class ServiceWaiter:
         """The SDK client wrapped so that its futures wait under this policy (idempotent; anything
         else as it is). The WaitedClient stands in for the client: every attribute is the wrapped one's."""
         if isinstance(client, WaitedClient):
-            if label:
-                client.label = label
-            return client
+            return name_client(client, label) if label else client
         if isinstance(client, TrainingClient):
             model_id = str(client.model_id)
             waited = WaitedClient(
