@@ -33,10 +33,10 @@ from pathlib import Path
 import pytest
 from comparison_rows import TOKEN_FIELDS, comparable, row_differences
 from harness_paths import LOSS_PARITY
+from server_in_process import ServerInProcess
 
 from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.evidence import verify_bundle
-from dppo_harness.local_server.process import LocalServerProcess
 from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import ClientRegistry, create_from_state_with_response, make_service_client
 from dppo_harness.stages.comparison.run import make_loss, run_arm_step
@@ -119,11 +119,12 @@ def _run_and_kill(evidence: Path, cwd: Path) -> tuple[list[str], float]:
 
 def _uninterrupted_rows(server_dir: Path, initial_checkpoint: str) -> list[dict]:
     """Both arms from the shared initial checkpoint for every step, without a stop (the server
-    state the killed and resumed runs used, so the checkpoint resolves)."""
+    state the killed and resumed runs used, so the checkpoint resolves). The server runs in this
+    process: what it serves is the same, without a second interpreter and torch start-up."""
     run = load_plan(PLAN).run
     registry = ClientRegistry()
     rows = []
-    with LocalServerProcess(run_dir=server_dir) as srv:
+    with ServerInProcess(server_dir) as srv:
         try:
             sc = make_service_client("local", srv.base_url, registry=registry, stage="reference")
             clients = {a.name: create_from_state_with_response(sc, initial_checkpoint)[0] for a in run.arms}

@@ -135,9 +135,18 @@ def _kill_after(n):
     return stop
 
 
-def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, uninterrupted, tmp_path):
+@pytest.fixture(scope="module")
+def killed(engine, tmp_path_factory):
+    """The rehearsal stopped after step 1, once for the file: (its folder, result, bundle, and its
+    saved state as the stop left it)."""
+    d = tmp_path_factory.mktemp("killed")
+    first, bundle = _run(engine, d, "killed", stop_after=_kill_after(1))
+    return d, first, bundle, state_path(d / "state", first.run_id).read_text()
+
+
+def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, uninterrupted, killed):
     full = uninterrupted
-    first, first_bundle = _run(engine, tmp_path, "killed", stop_after=_kill_after(1))
+    tmp_path, first, first_bundle, _ = killed
     assert first.stopped == "killed after step 1" and first.steps_completed == 1
     assert first.final["outcome_reason"] == "incomplete_execution"
     saved = json.loads(state_path(tmp_path / "state", first.run_id).read_text())
@@ -167,11 +176,12 @@ def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, uninterrupted, t
     assert resume["continues_session"]["run_id"] == first_bundle.run_id
 
 
-def test_resume_is_refused_when_the_plan_changed(engine, tmp_path):
-    first, _ = _run(engine, tmp_path, "killed", stop_after=_kill_after(1))
-    state_file = state_path(tmp_path / "state", first.run_id)
-    state = json.loads(state_file.read_text())
+def test_resume_is_refused_when_the_plan_changed(engine, killed, tmp_path):
+    _, first, _, saved = killed  # its saved state, copied here, under another plan's sha256
+    state = json.loads(saved)
     state["plan_sha256"] = "0" * 64
+    state_file = state_path(tmp_path / "state", first.run_id)
+    state_file.parent.mkdir(parents=True)
     state_file.write_text(json.dumps(state))
     with pytest.raises(ComparisonError, match="plan sha256 changed"):
         _run(engine, tmp_path, "resumed", resume_run_id=first.run_id)

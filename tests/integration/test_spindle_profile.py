@@ -51,6 +51,7 @@ PLANTED = {
 WRONG_SECRET = "ws-wrong-" + secrets.token_hex(8)
 SHORT_STORM = 2  # refusals; backoff 0.6 s + 1.2 s at scale 0.01, inside the 6 s window
 CAPACITY_SCALE = "0.01"  # backoff 0.6/1.2/2.4 s, give-up window 6 s before any comparison step
+LONG_STORM_CAPACITY_SCALE = "0.005"  # half of it: the long storm sleeps through its whole window
 # `-m diagnostic` on these paths: unit parity is the loss-parity file (harness_paths).
 UNIT_PARITY_AND_STAGES = (LOSS_PARITY, "tests/preflight", "tests/diagnostic")
 SAMPLER_LP_ATOL = 1e-4  # see test_same_plan_on_the_default_profile_computes_the_same
@@ -302,7 +303,8 @@ def test_long_storm_ends_in_a_correct_capacity_block(plan_file, tmp_path):
         evidence = tmp_path / "evidence-storm"
         proc, _secs = _harness(
             ["tests/preflight", "--backend=tinker", f"--plan={plan_file}", f"--evidence-dir={evidence}"],
-            _harness_env(srv.base_url),
+            # backoff 0.3/0.6/1.2 s, give-up window 3 s: the storm outlasts it all the same
+            _harness_env(srv.base_url, DPPO_HARNESS_CAPACITY_SCALE=LONG_STORM_CAPACITY_SCALE),
             timeout=300,
         )
         assert proc.returncode != 0
@@ -406,6 +408,7 @@ def _assert_stopped(r: dict) -> None:
     assert r["service_wait"]["released_clients"] is True
 
 
+@pytest.mark.usefixtures("short_unload_drain")
 def test_a_request_that_never_completes_stops_the_stage_after_the_service_timeout(plan_file, tmp_path):
     """The first save never completes (its polls say active): one line naming the call and the
     client after --service-timeout-s, reported as no answer, not as capacity."""
@@ -423,6 +426,7 @@ def test_a_request_that_never_completes_stops_the_stage_after_the_service_timeou
     assert stats["faults"]["injected"] == {"save_weights:queue_pause": 1}
 
 
+@pytest.mark.usefixtures("short_unload_drain")
 def test_a_saturated_sample_submit_gives_up_after_the_patience(plan_file, tmp_path):
     """Every sample submit answered 429 `saturated` (Spindle's engine refusing work; the SDK
     resubmits without limit, silently) ends the diagnostic after --capacity-patience-s as a refused
@@ -430,7 +434,7 @@ def test_a_saturated_sample_submit_gives_up_after_the_patience(plan_file, tmp_pa
     proc, secs, r, stats = _stopped_run(
         tmp_path,
         ["--fault-reject-for", "asample:429:3600"],
-        ["tests/preflight", "tests/diagnostic", f"--plan={plan_file}", "--capacity-patience-s=8"],
+        ["tests/preflight", "tests/diagnostic", f"--plan={plan_file}", "--capacity-patience-s=4"],
         timeout=600,
     )
     assert proc.returncode != 0 and secs < 400, proc.stdout[-3000:]
