@@ -30,10 +30,14 @@ from dppo_harness.local_server.engine.engine import Engine
 from dppo_harness.local_server.faults import FaultConfig, parse_model_lost, parse_queue_pause, parse_reject_first
 from dppo_harness.local_server.process import LocalServerDied, LocalServerProcess
 from dppo_harness.local_server.profiles import (
-    OPTIMIZER_ECHO_KEYS,
     SPINDLE_CLIENT_CONFIG,
     SpindleSettings,
     make_profile,
+)
+
+# optim_step metrics that only echo the requested optimizer config; Spindle does not send them.
+OPTIMIZER_ECHO_KEYS = frozenset(
+    f"optim/{k}" for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 )
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")

@@ -16,10 +16,14 @@ from dppo_harness.local_server.engine.loss_fns import SERVER_LOSSES, server_loss
 from dppo_harness.local_server.errors import UserError
 from dppo_harness.local_server.http.codecs import ProtocolError, decode_fwdbwd_request, parse_request
 from dppo_harness.local_server.profiles import (
-    OPTIMIZER_ECHO_KEYS,
     MissingCredential,
     Profile,
     make_profile,
+)
+
+# optim_step metrics that only echo the requested optimizer config; Spindle does not send them.
+OPTIMIZER_ECHO_KEYS = frozenset(
+    f"optim/{k}" for k in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
 )
 
 

@@ -281,7 +281,7 @@ def test_required_fields_cannot_be_omitted_and_bad_specs_name_the_problem():
 def test_omission_drops_nested_and_listed_fields_of_the_chosen_responses_only():
     inj = FaultInjector(
         FaultConfig(
-            omit_fields=(parse_omit_field("get_info.model_data.model_name:2"), parse_omit_field("load_weights.path"))
+            omit_field=(parse_omit_field("get_info.model_data.model_name:2"), parse_omit_field("load_weights.path"))
         )
     )
     first = inj.omit_json("get_info", {"model_id": "m", "model_data": {"model_name": "x", "arch": "a"}})

@@ -17,22 +17,11 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 # Nothing here imports torch, aiohttp or the engine at module level: the CLI refuses a bad argument
 # in a blink, and torch loads only after `main` set its OpenMP settings.
-from dppo_harness.local_server.faults import (
-    DEFAULT_VALUE_HEADERS,
-    FaultConfig,
-    parse_capacity_fail,
-    parse_latency,
-    parse_model_lost,
-    parse_omit_field,
-    parse_queue_pause,
-    parse_reject_first,
-    parse_reject_for,
-)
+from dppo_harness.local_server.faults import DEFAULT_VALUE_HEADERS, FAULT_OPTIONS, FaultConfig
 from dppo_harness.local_server.profiles import (
     DEFAULT_SESSION_IDLE_TIMEOUT_S,
     DEFAULT_SWEEP_INTERVAL_S,
@@ -47,38 +36,6 @@ USAGE_EXIT_CODE = 2
 PARENT_GONE_EXIT = 75
 PROG = "python -m dppo_harness.local_server"
 
-# The repeatable `KIND:...` fault options (docs/local-server.md "Faults"): (option, METAVAR, parser,
-# help); each fills the FaultConfig field named after it. `--fault-model-lost` is Spindle's.
-_REPEATED_FAULTS: tuple[tuple[str, str, Callable[[str], object], str], ...] = (
-    ("--fault-reject-first", "KIND:STATUS:N", parse_reject_first, "the first N requests of KIND ('*': any) get STATUS"),
-    ("--fault-reject-for", "KIND:STATUS:SECONDS", parse_reject_for, "every request of KIND gets STATUS for SECONDS"),
-    (
-        "--fault-queue-pause",
-        "KIND:N:SECONDS[:STATE][:moving]",
-        parse_queue_pause,
-        "hold the N-th request of KIND for SECONDS ('forever'); its polls say queue_state STATE "
-        "(paused_capacity, paused_rate_limit, or active: the only one Spindle sends; forever:active never completes)",
-    ),
-    (
-        "--fault-capacity-fail",
-        "KIND:N1[,N2...]",
-        parse_capacity_fail,
-        "fail those ordered training requests of KIND (counted at execution) with 'trainer capacity exhausted'",
-    ),
-    ("--fault-latency-ms", "KIND:MS", parse_latency, "add MS milliseconds (non-blocking) before each request of KIND"),
-    (
-        "--fault-omit-field",
-        "KIND.FIELD[:N1,N2...]",
-        parse_omit_field,
-        "leave an optional response field out of every (or the N-th) response of KIND",
-    ),
-    (
-        "--fault-model-lost",
-        "KIND:N",
-        parse_model_lost,
-        "spindle only: at the N-th request of KIND, the trainer of its model is gone (410 model_lost)",
-    ),
-)
 # Spindle's capacity and sweep options (control_plane/service.py); None by default so that a use
 # on the default profile is told apart.
 SPINDLE_ONLY_OPTIONS = (
@@ -113,7 +70,7 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
         f"{DEFAULT_SESSION_IDLE_TIMEOUT_S:g} s)",
     )
     g = p.add_argument_group("fault injection (counted; see GET /_harness/stats)")
-    for option, metavar, _, text in _REPEATED_FAULTS:
+    for option, metavar, _, text in FAULT_OPTIONS:
         g.add_argument(option, action="append", default=[], metavar=metavar, help=text)
     g.add_argument(
         "--fault-capacity-exhausted",
@@ -136,10 +93,12 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
 
 
 def fault_config(args: argparse.Namespace) -> FaultConfig:
-    repeated = {}
-    for option, _, parse, _ in _REPEATED_FAULTS:
-        name = option.removeprefix("--fault-").replace("-", "_").replace("omit_field", "omit_fields")
-        repeated[name] = tuple(parse(spec) for spec in getattr(args, option[2:].replace("-", "_")))
+    repeated = {
+        option.removeprefix("--fault-").replace("-", "_"): tuple(
+            map(parse, getattr(args, option[2:].replace("-", "_")))
+        )
+        for option, _, parse, _ in FAULT_OPTIONS
+    }
     return FaultConfig(
         **repeated,  # type: ignore[arg-type]
         capacity_exhausted=args.fault_capacity_exhausted,

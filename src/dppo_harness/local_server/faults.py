@@ -12,7 +12,7 @@ import itertools
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -148,7 +148,7 @@ class FaultConfig:
     reject_for: tuple[Reject, ...] = ()  # every request of a kind refused for a while
     die_after: int | None = None  # exit the process when API request K+1 arrives
     retry_after_ms: int | None = None  # Retry-After-Ms header on injected 429/503
-    omit_fields: tuple[OmitField, ...] = ()  # optional response fields left out
+    omit_field: tuple[OmitField, ...] = ()  # optional response fields left out
     model_lost: tuple[Nth, ...] = ()  # a model's trainer dies (spindle profile)
     record_header_values: tuple[str, ...] = DEFAULT_VALUE_HEADERS
 
@@ -272,6 +272,40 @@ def parse_omit_field(spec: str) -> OmitField:
     return OmitField(kind, field_path, _numbers(numbers, option, "response") if numbers else None)
 
 
+# The repeatable `KIND:...` fault options cli.py adds (docs/local-server.md "Faults"): (option,
+# METAVAR, parser, help); each fills the FaultConfig field named after it. `--fault-model-lost` is Spindle's.
+FAULT_OPTIONS: tuple[tuple[str, str, Callable[[str], object], str], ...] = (
+    ("--fault-reject-first", "KIND:STATUS:N", parse_reject_first, "the first N requests of KIND ('*': any) get STATUS"),
+    ("--fault-reject-for", "KIND:STATUS:SECONDS", parse_reject_for, "every request of KIND gets STATUS for SECONDS"),
+    (
+        "--fault-queue-pause",
+        "KIND:N:SECONDS[:STATE][:moving]",
+        parse_queue_pause,
+        "hold the N-th request of KIND for SECONDS ('forever'); its polls say queue_state STATE "
+        "(paused_capacity, paused_rate_limit, or active: the only one Spindle sends; forever:active never completes)",
+    ),
+    (
+        "--fault-capacity-fail",
+        "KIND:N1[,N2...]",
+        parse_capacity_fail,
+        "fail those ordered training requests of KIND (counted at execution) with 'trainer capacity exhausted'",
+    ),
+    ("--fault-latency-ms", "KIND:MS", parse_latency, "add MS milliseconds (non-blocking) before each request of KIND"),
+    (
+        "--fault-omit-field",
+        "KIND.FIELD[:N1,N2...]",
+        parse_omit_field,
+        "leave an optional response field out of every (or the N-th) response of KIND",
+    ),
+    (
+        "--fault-model-lost",
+        "KIND:N",
+        parse_model_lost,
+        "spindle only: at the N-th request of KIND, the trainer of its model is gone (410 model_lost)",
+    ),
+)
+
+
 def drop_path(obj: JsonValue, path: str) -> int:
     """Remove the dotted `path` from a JSON-like object in place (through lists); returns how many
     keys were removed."""
@@ -378,7 +412,7 @@ class FaultInjector:
 
     def omitted_fields(self, kind: str) -> frozenset[str]:
         """Counts one response of `kind` being built; the field paths to leave out of it."""
-        rules = [r for r in self.config.omit_fields if r.kind == kind]
+        rules = [r for r in self.config.omit_field if r.kind == kind]
         if not rules:
             return frozenset()
         with self._lock:

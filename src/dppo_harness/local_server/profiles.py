@@ -28,10 +28,6 @@ FRONT_DOOR_CREDENTIALS = (
 API_KEY_CREDENTIAL = ("X-API-Key", "TINKER_API_KEY")
 # Every credential the spindle profile reads (the process helper keeps these in the child's env).
 SPINDLE_CREDENTIALS = (API_KEY_CREDENTIAL, *FRONT_DOOR_CREDENTIALS)
-# optim_step metrics that only echo the requested optimizer config; Spindle does not send them.
-OPTIMIZER_ECHO_KEYS = frozenset(
-    {"optim/learning_rate", "optim/beta1", "optim/beta2", "optim/eps", "optim/weight_decay", "optim/grad_clip_norm"}
-)
 
 # `POST client/config` (SDK 0.25 reads it into tinker/types/client_config_response.py, ignoring keys
 # it does not know). Both profiles: API-key auth (no JWT exchange), fwd/bwd chunks sent in parallel.

@@ -485,10 +485,10 @@ class Engine:
     def save_state(self, model_id: str, name: str, overwrite: bool = False) -> str:
         return self._save(model_id, "weights", name, overwrite, with_optimizer=True)
 
-    def save_for_sampler(self, model_id: str, name: str | None = None, *, overwrite: bool = False) -> str:
+    def save_for_sampler(self, model_id: str, name: str | None = None) -> str:
         if name is None:
             name = f"sampler-{self._get(model_id).steps}-{secrets.token_hex(4)}"
-        return self._save(model_id, "sampler_weights", name, overwrite, with_optimizer=False)
+        return self._save(model_id, "sampler_weights", name, False, with_optimizer=False)
 
     def read_checkpoint(self, path: str) -> tuple[Path, dict]:
         """(its directory, what it says about itself): a restarted server still knows a checkpoint."""

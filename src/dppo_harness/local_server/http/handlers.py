@@ -151,7 +151,6 @@ async def create_model(request: web.Request) -> web.Response:
         if state.faults.take_capacity_failure():
             state.model_requests.pop((req.session_id, req.model_seq_id), None)  # a retry is a new creation attempt
             return Outcome("error", CAPACITY_REFUSED, "server")
-        state.check_served(req.base_model)
         if state.profile.is_spindle:  # the trainer's cold start, a LoRA slot, then Miles' checks
             refusal = spindle.lora_refusal(lora.rank, lora.seed, (lora.train_mlp, lora.train_attn, lora.train_unembed))
             refused = await spindle.admit_creation(state, model_id, req.session_id, refusal)
