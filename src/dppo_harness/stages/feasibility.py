@@ -125,11 +125,6 @@ class Projection:
     fits: bool
     problems: tuple[str, ...]
 
-    def as_dict(self) -> JsonObject:
-        d = asdict(self)
-        d["problems"] = list(self.problems)
-        return d
-
 
 def project(
     run: RunConfig,
@@ -405,7 +400,7 @@ def run_feasibility(
         "schedule": schedule,
         "timings": asdict(timings),
         "pilot": details,
-        "projection": proj.as_dict(),
+        "projection": asdict(proj),
         "stage_projections_with_reserve": {"plan": proj.total_seconds, "gate": gate_s},
         "feasibility_check": feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None),
     }

@@ -276,12 +276,10 @@ def run_activation_gate(
         "arm": arm.name,
         "loss": arm.loss,
         "steps": steps,
-        **{k: getattr(rollout_cfg, k) for k in ("groups_per_batch", "group_size", "temperature", "max_tokens")},
+        **asdict(rollout_cfg),  # groups_per_batch, group_size, temperature, max_tokens, seed, max_seq_len
         "updates_per_batch": arm.updates_per_batch,
         "adam": as_object(arm.adam),
         "normalization": run.normalization,
-        "seed": arm.seed,
-        "max_seq_len": run.max_seq_len,
         "steps_completed": sum(1 for c in optim_counts if c == arm.updates_per_batch),
         "sampler_checkpoints": [s.sampler_path for s in sampled],
         "initial_checkpoint": initial_checkpoint,

@@ -57,8 +57,7 @@ FIXED_BATCH_FILE = "restoration-fixed-batch.json"
 
 @dataclass
 class Recorder:
-    """Server responses kept for evidence, each under a stable reference id; `prefixed` keeps one
-    more probe's responses in the same file without clashing with the first's."""
+    """Server responses kept for evidence, each under a reference id (`prefixed`: another probe's)."""
 
     responses: dict[str, JsonValue] = field(default_factory=dict)
     prefix: str = ""
@@ -81,8 +80,7 @@ PROBE_UPDATES = ["cross_entropy on even datums + optim_step", "cross_entropy on 
 
 @dataclass(kw_only=True)
 class RestoreProbeResult:
-    """One create-save-restore probe (`restore_probe`): what it loaded, compared and measured; its
-    fields in the order restoration-probe.json writes them."""
+    """One create-save-restore probe, its fields in the order restoration-probe.json writes them."""
 
     initial_checkpoint: str
     mid_checkpoint: str
@@ -125,8 +123,7 @@ class LrScalingUnavailable:
 
 @dataclass(frozen=True, kw_only=True)
 class LrScalingMeasured:
-    """Update norms from a fresh state per learning rate, and whether norm / LR stayed constant;
-    its fields in the order lr-scaling-probe.json writes them."""
+    """Update norms from a fresh state per LR, in the order lr-scaling-probe.json writes them."""
 
     available: Literal[True] = True
     measure: str | None = None
@@ -202,9 +199,8 @@ class InitializationProvenance(TypedDict):
 
 
 def check_provenance(entries: Mapping[str, ArmProvenance]) -> list[str]:
-    """Every failure of the group's initialization proof the service's answers can cause (the
-    preflight builds every entry from one checkpoint, one batch and restore_count 1); empty means
-    the group is proved."""
+    """Every failure of the group's initialization proof the service's answers can cause (every
+    entry has one checkpoint, one batch and restore_count 1 by construction)."""
     failures: list[str] = []
     for arm, e in entries.items():
         init = e["initialization"]
@@ -253,9 +249,8 @@ class UpdateNormMeasure(Protocol):
 
 
 class LocalCheckpointReader:
-    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir. Local backend
-    only (the Tinker API exposes no parameters); torch and the embedded server's model module load
-    on the first read, so another backend loads neither."""
+    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir (the Tinker API
+    exposes no parameters); torch and the server's model module load on the first read only."""
 
     description = (
         "local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
@@ -439,12 +434,9 @@ def lr_scaling_probe(
 ) -> LrScalingBlock:
     """A fresh state from the initial checkpoint per LR, the same fixed gradient, update norms.
 
-    `measured`: LRs already probed from a fresh state (the restore probe's update 1 on the setup
-    client, at the planned LR); None there means that measure failed, and no further client is
-    created. Every other LR gets its own client created from the initial checkpoint with optimizer.
-    Adam's first step is lr * m_hat / (sqrt(v_hat) + eps) ~ lr * sign(g), so update_norm / lr
-    should be the same at every LR; the relative change against the first probe is checked.
-    """
+    `measured`: LRs already probed (the restore probe's update 1, at the planned LR; None: that
+    measure failed, and no client is created). Adam's first step is ~ lr * sign(g), so
+    update_norm / lr should be the same at every LR, checked against the first probe."""
     lrs = [float(opt_cfg["learning_rate"]) * float(m) for m in multipliers]
 
     def unavailable() -> LrScalingUnavailable:  # why: the measure's last error, read when it failed
@@ -470,13 +462,9 @@ def lr_scaling_probe(
     errors = lr_scaling_error(probes)
     worst = max(errors)
     passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= LR_SCALING_RTOL)
-    problem = (
-        None
-        if passed
-        else f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {LR_SCALING_RTOL})"
-        if worst > LR_SCALING_RTOL
-        else "an update norm is zero: the update did not move parameters"
-    )
+    problem = None if passed else "an update norm is zero: the update did not move parameters"
+    if worst > LR_SCALING_RTOL:
+        problem = f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {LR_SCALING_RTOL})"
     reset = (
         "a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
         "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
@@ -497,12 +485,8 @@ def lr_scaling_probe(
 
 
 def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -> JsonObject:
-    """The correctness_preflight block with every path's `lr_scaling` filled from the LR probe.
-
-    Where the backend could not measure update norms, each planned LR gets an entry with
-    `update_norm: null`, `available: false` and the reason (never invented, never an empty list),
-    and `lr_scaling_status` says why.
-    """
+    """The correctness_preflight block with every path's `lr_scaling` filled from the LR probe
+    (unmeasured: an entry per planned LR with `update_norm: null` and the reason, never [])."""
     out, written = json.loads(json.dumps(correctness_block)), lr_block.to_json()
     keys: tuple[str, ...] = ("reason",)
     if isinstance(lr_block, LrScalingMeasured):
@@ -724,10 +708,9 @@ def initial_outputs(
     b_sha: str,
     source: Sequence[np.ndarray] | None = None,
 ) -> tuple[dict[str, str], JsonObject, list[str]]:
-    """Step 3: full logprobs of every arm on the fixed batch before any update, compared: each arm's
-    output sha256, the comparisons (by `first_vs_other`) and every pair outside the tolerance.
-    `source` (the setup client's logprobs, taken before its first update) is what a single arm is
-    compared with, so the check can still fail."""
+    """Step 3: each arm's logprobs on the fixed batch before any update: their sha256, the
+    comparisons with the first (a single arm's with `source`, the setup client's, so the check can
+    still fail) and every pair outside the tolerance."""
     stored = {a: full_logprobs(r.client, fixed_batch) for a, r in arms.items()}
     out_sha = {a: logprobs_sha256(lp) for a, lp in stored.items()}
     if source is not None:
