@@ -74,10 +74,8 @@ class CheckResult:
 def evaluate_check(check: GateCheck, value: Measured) -> CheckResult:
     """One plan check against one measured value. Missing or non-numeric values fail."""
     bounds = Bounds.of(check)
-    if not bounds.declared:
-        reason = "check declares no min, max or one_of"
-    else:
-        reason = "missing: not measured" if value is None else "; ".join(bounds.problems(value))
+    reason = "missing: not measured" if value is None else "; ".join(bounds.problems(value))
+    reason = reason if bounds.declared else "check declares no min, max or one_of"
     passed = bounds.declared and value is not None and not reason
     return CheckResult(check.metric, value, passed, reason or "in range", bounds.as_json(), check.measures)
 

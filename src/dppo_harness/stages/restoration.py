@@ -113,7 +113,7 @@ class LrScalingUnavailable:
     """The LR-scaling probe could not measure update norms on this backend, and why."""
 
     reason: str
-    learning_rates: list[float] = field(default_factory=list)
+    learning_rates: list[float]
     available: Literal[False] = False
 
     def to_json(self) -> JsonObject:  # lr-scaling-probe.json when unmeasured
@@ -267,10 +267,8 @@ class LocalCheckpointReader:
         from dppo_harness.local_server.checkpoint_files import adapter_file  # local backend only
 
         f = adapter_file(self.run_dir, path)
-        if f is None:
-            raise RestorationError(f"not a checkpoint path: {path!r}")
-        if not f.is_file():
-            raise RestorationError(f"checkpoint {path!r} has no adapter file at {f}")
+        if f is None or not f.is_file():
+            raise RestorationError(f"checkpoint {path!r} has no adapter file under {self.run_dir} ({f})")
         return torch.load(f, map_location="cpu", weights_only=True)
 
     def adapter_sha256(self, path: str) -> str:
@@ -493,8 +491,7 @@ def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -
         keys, entries = ("passed", "rtol", "relative_error", "measure", "reset"), written["lr_scaling"]
     else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
         unmeasured: JsonObject = {"update_norm": None, "available": False, "reason": lr_block.reason}
-        rates: list[float | None] = [*lr_block.learning_rates] or [None]
-        entries = [{"learning_rate": lr, **unmeasured} for lr in rates]
+        entries = [{"learning_rate": lr, **unmeasured} for lr in lr_block.learning_rates]
     status = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE, **{k: written[k] for k in keys}}
     for path in out.get("paths", []):
         path["lr_scaling"] = json.loads(json.dumps(entries))
@@ -920,8 +917,7 @@ def run_restoration_preflight(
     bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
     bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
     wall = time.monotonic() - t0
-    passed = 1.0 if not failures else 0.0
-    metrics = {"preflight/restoration_wall_seconds": wall, "preflight/restoration_passed": passed}
+    metrics = {"preflight/restoration_wall_seconds": wall, "preflight/restoration_passed": float(not failures)}
     bundle.update_result(initialization_provenance=posted, metrics=metrics)
     return RestorationResult(
         initial_checkpoint=shared.path,
