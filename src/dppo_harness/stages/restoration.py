@@ -659,11 +659,9 @@ def fresh_checkpoint(
         f"setup (shared, initialization group of seed {seed}): saves the initial checkpoint; then the "
         "uninterrupted restore probe and the base-LR scaling probe",
     )
-    info = client.get_info()
-    rec.keep("create_shared.get_info", info)
+    rec.keep("create_shared.get_info", info := client.get_info())
     name = f"{tag}-initial-shared"
-    saved = client.save_state(name).result()
-    rec.keep("save_shared", saved)
+    rec.keep("save_shared", saved := client.save_state(name).result())
     # Immutability: the server must explicitly refuse to replace the name without overwrite=True.
     try:
         again = client.save_state(name).result()
