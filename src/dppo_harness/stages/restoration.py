@@ -284,8 +284,7 @@ class CheckpointUpdateNorm:
     safe_on_a_working_client = True  # save_state only: a request every backend serves
 
     def __init__(self, reader: LocalCheckpointReader, tag: str):
-        self.reader, self.tag, self.description = reader, tag, reader.description
-        self._n = 0
+        self.reader, self.tag, self.description, self._n = reader, tag, reader.description, 0
 
     def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None:
         self._n += 1
@@ -386,12 +385,10 @@ def restore_probe(
     run.say("4/6: probe update 2 on both clients, then logprobs compared")
     g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
     before = full_logprobs(uninterrupted, batch)
-    opt2 = {
-        "uninterrupted": fixed_gradient_step(uninterrupted, g2, adam),
-        "restored": fixed_gradient_step(r.client, g2, adam),
-    }
-    for k, v in opt2.items():
-        rec.keep(f"probe_optim_step_2_{k}", v)
+    opts = {"update2_uninterrupted": fixed_gradient_step(uninterrupted, g2, adam)}
+    opts["update2_restored"] = fixed_gradient_step(r.client, g2, adam)
+    for k, v in opts.items():
+        rec.keep(f"probe_optim_step_2_{k.removeprefix('update2_')}", v)
     after_u = full_logprobs(uninterrupted, batch)
     cmp = compare_logprobs(after_u, full_logprobs(r.client, batch), atol)
     effect = compare_logprobs(before, after_u, atol)
@@ -412,10 +409,7 @@ def restore_probe(
         adam_params=adam.model_dump(),
         restored_vs_uninterrupted=as_object(cmp),
         second_update_effect=as_object(effect),
-        optim_metrics={
-            "update1": dict(opt1.metrics or {}),
-            **{f"update2_{k}": dict(v.metrics or {}) for k, v in opt2.items()},
-        },
+        optim_metrics={k: dict(v.metrics or {}) for k, v in {"update1": opt1, **opts}.items()},
         echoed_config=echoed_config(opt1.metrics, list(opt_cfg)),
         echo_ref=echo_ref,
         base_lr_update_norm=norm1,
@@ -782,11 +776,8 @@ def run_restoration_preflight(
     if len(batch) < 2:
         raise RestorationError("fixed batch needs at least 2 datums (two distinct fixed gradients)")
     b_sha = register_fixed_batch(bundle, batch, fixed_batch_description)
-    call: CallWrapper = (
-        (lambda fn: fn())
-        if capacity is None
-        else (lambda fn: call_with_capacity_retry(fn, policy=capacity, registry=registry))
-    )
+    retry = partial(call_with_capacity_retry, policy=capacity, registry=registry)
+    call: CallWrapper = retry if capacity is not None else (lambda fn: fn())
     rec, probe_sc = Recorder(), probe_service_client or service_client
 
     say(f"1/6: fresh LoRA rank-{run.lora_rank} client on {base_model} and the shared initial checkpoint")
