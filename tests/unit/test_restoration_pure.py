@@ -325,10 +325,10 @@ def test_attach_lr_scaling_fills_or_explains():
     assert out["paths"][0]["lr_scaling"] == measured.lr_scaling
     assert out["paths"][0]["lr_scaling_status"]["available"] is True
     assert block["paths"][0]["lr_scaling"] == []  # input untouched
-    missing = attach_lr_scaling(block, LrScalingUnavailable("no parameters over the API"))
-    # Issue 11 point 10: never an empty list; the brief's block says unmeasured and why.
+    missing = attach_lr_scaling(block, LrScalingUnavailable("no parameters over the API", [2e-5]))
+    # Never an empty list: the brief's block says each planned LR is unmeasured, and why.
     assert missing["paths"][0]["lr_scaling"] == [
-        {"learning_rate": None, "update_norm": None, "available": False, "reason": "no parameters over the API"}
+        {"learning_rate": 2e-5, "update_norm": None, "available": False, "reason": "no parameters over the API"}
     ]
     assert missing["paths"][0]["lr_scaling_status"] == {
         "available": False,

@@ -50,10 +50,6 @@ def planned_eval_items(run: RunConfig) -> int:
     return len(run.arms) * run.eval_items
 
 
-def sequences_per_update(run: RunConfig) -> int:
-    return run.batch_size // run.updates_per_batch
-
-
 def schedule_json(plan_kind: str, run: RunConfig) -> JsonObject:
     """The schedule the projection counted, in its units (the pilot file's `schedule`)."""
     return {
@@ -63,7 +59,7 @@ def schedule_json(plan_kind: str, run: RunConfig) -> JsonObject:
         "groups_per_batch": run.groups_per_batch,
         "group_size": run.group_size,
         "updates_per_batch": run.updates_per_batch,
-        "sequences_per_update": sequences_per_update(run),
+        "sequences_per_update": run.batch_size // run.updates_per_batch,
         "max_tokens": run.max_tokens,
         "eval_items": planned_eval_items(run),
         "temperature": run.temperature,
@@ -94,19 +90,6 @@ class PilotTimings:
         if not self.update_seconds or any(not (math.isfinite(s) and s > 0) for s in self.update_seconds):
             raise FeasibilityError(f"pilot update timings must be positive: {self.update_seconds}")
 
-    def arm_step_seconds(self, run: RunConfig) -> float:
-        """One rollout batch of `run`: its groups sampled, then its updates."""
-        per_group = self.sampling_seconds / self.sampled_groups
-        return per_group * run.groups_per_batch + run.updates_per_batch * statistics.fmean(self.update_seconds)
-
-    @property
-    def seconds_per_eval_item(self) -> float | None:
-        return self.eval_seconds / self.eval_items if self.eval_items else None
-
-    @property
-    def training_seconds(self) -> float:
-        return self.sampling_seconds + sum(self.update_seconds)
-
 
 @dataclass(frozen=True)
 class Projection:
@@ -123,11 +106,6 @@ class Projection:
     fits: bool
     problems: tuple[str, ...]
 
-    def as_dict(self) -> JsonObject:
-        d = asdict(self)
-        d["problems"] = list(self.problems)
-        return d
-
 
 def project(
     run: RunConfig,
@@ -141,13 +119,14 @@ def project(
     the session is the budget ledger's (`evidence.budget_allows`)."""
     timings.validate()
     problems: list[str] = []
-    arm_step = timings.arm_step_seconds(run)
+    per_group, per_update = timings.sampling_seconds / timings.sampled_groups, statistics.fmean(timings.update_seconds)
+    arm_step = per_group * run.groups_per_batch + run.updates_per_batch * per_update  # one rollout batch
     training = arm_steps(run) * arm_step
     evaluation = 0.0
     if planned_eval_items(run):
-        if timings.seconds_per_eval_item is None:
+        if not timings.eval_items:
             raise FeasibilityError("the plan evaluates items but the pilot timed no evaluation")
-        evaluation = planned_eval_items(run) * timings.seconds_per_eval_item
+        evaluation = planned_eval_items(run) * timings.eval_seconds / timings.eval_items
     work = timings.setup_seconds + training + evaluation
     recovery = RESERVE_FRACTION * work
     total = work + recovery
@@ -188,6 +167,7 @@ def feasibility_block(
     gpu = projection.gpu_count
     where = {"gpu_count": gpu, "allocation_source": allocation_source if gpu is not None else None}
     trained = timings.sampled_sequences + timings.sequences_per_update * len(timings.update_seconds)
+    trained_s = timings.sampling_seconds + sum(timings.update_seconds)
     return {
         "config": dict(pilot_config),
         "effective_config": dict(effective_config),
@@ -196,8 +176,8 @@ def feasibility_block(
         "measurements": {
             "setup": {"seconds": timings.setup_seconds, "units": 1, "planned_units": 1, "samples": 0, **where},
             "training": {
-                "seconds": timings.training_seconds,
-                "units": timings.training_seconds / projection.arm_step_seconds,
+                "seconds": trained_s,
+                "units": trained_s / projection.arm_step_seconds,
                 "planned_units": arm_steps(run),
                 "samples": trained,
                 **where,
@@ -280,7 +260,7 @@ def run_timing_pilot(
     sampled = rollouts.sample_rollout_batch(client, items, renderer, cfg, sampler_name="feasibility-pilot")
     if not sampled.datums:
         raise FeasibilityError("pilot sampled no datums to build a minibatch from")
-    minibatch = [i % len(sampled.datums) for i in range(sequences_per_update(run))]
+    minibatch = [i % len(sampled.datums) for i in range(run.batch_size // run.updates_per_batch)]
     ry = sampled.batch.response_yield()
     say(
         f"3/4: {PILOT_UPDATES} timed updates of {len(minibatch)} sequences for each of {len(run.arms)} arm(s) "
@@ -403,7 +383,7 @@ def run_feasibility(
         "schedule": schedule,
         "timings": asdict(timings),
         "pilot": details,
-        "projection": proj.as_dict(),
+        "projection": asdict(proj),
         "stage_projections_with_reserve": {"plan": proj.total_seconds, "gate": gate_s},
         "feasibility_check": feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None),
     }

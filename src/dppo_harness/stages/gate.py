@@ -53,8 +53,7 @@ DEFINITIONS = {
 
 def ordinal(n: int) -> str:
     """1st, 2nd, 3rd, 4th, ..., 11th, 12th, 13th, 21st."""
-    suffix = "th" if n % 100 in (11, 12, 13) else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
-    return f"{n}{suffix}"
+    return f"{n}{'th' if n % 100 in (11, 12, 13) else {1: 'st', 2: 'nd', 3: 'rd'}.get(n % 10, 'th')}"
 
 
 class GateError(RuntimeError):
@@ -74,10 +73,8 @@ class CheckResult:
 def evaluate_check(check: GateCheck, value: Measured) -> CheckResult:
     """One plan check against one measured value. Missing or non-numeric values fail."""
     bounds = Bounds.of(check)
-    if not bounds.declared:
-        reason = "check declares no min, max or one_of"
-    else:
-        reason = "missing: not measured" if value is None else "; ".join(bounds.problems(value))
+    reason = "missing: not measured" if value is None else "; ".join(bounds.problems(value))
+    reason = reason if bounds.declared else "check declares no min, max or one_of"
     passed = bounds.declared and value is not None and not reason
     return CheckResult(check.metric, value, passed, reason or "in range", bounds.as_json(), check.measures)
 
@@ -276,12 +273,10 @@ def run_activation_gate(
         "arm": arm.name,
         "loss": arm.loss,
         "steps": steps,
-        **{k: getattr(rollout_cfg, k) for k in ("groups_per_batch", "group_size", "temperature", "max_tokens")},
+        **asdict(rollout_cfg),  # groups_per_batch, group_size, temperature, max_tokens, seed, max_seq_len
         "updates_per_batch": arm.updates_per_batch,
         "adam": as_object(arm.adam),
         "normalization": run.normalization,
-        "seed": arm.seed,
-        "max_seq_len": run.max_seq_len,
         "steps_completed": sum(1 for c in optim_counts if c == arm.updates_per_batch),
         "sampler_checkpoints": [s.sampler_path for s in sampled],
         "initial_checkpoint": initial_checkpoint,

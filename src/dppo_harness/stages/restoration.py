@@ -57,8 +57,7 @@ FIXED_BATCH_FILE = "restoration-fixed-batch.json"
 
 @dataclass
 class Recorder:
-    """Server responses kept for evidence, each under a stable reference id; `prefixed` keeps one
-    more probe's responses in the same file without clashing with the first's."""
+    """Server responses kept for evidence, each under a reference id (`prefixed`: another probe's)."""
 
     responses: dict[str, JsonValue] = field(default_factory=dict)
     prefix: str = ""
@@ -81,8 +80,7 @@ PROBE_UPDATES = ["cross_entropy on even datums + optim_step", "cross_entropy on 
 
 @dataclass(kw_only=True)
 class RestoreProbeResult:
-    """One create-save-restore probe (`restore_probe`): what it loaded, compared and measured; its
-    fields in the order restoration-probe.json writes them."""
+    """One create-save-restore probe, its fields in the order restoration-probe.json writes them."""
 
     initial_checkpoint: str
     mid_checkpoint: str
@@ -115,7 +113,7 @@ class LrScalingUnavailable:
     """The LR-scaling probe could not measure update norms on this backend, and why."""
 
     reason: str
-    learning_rates: list[float] = field(default_factory=list)
+    learning_rates: list[float]
     available: Literal[False] = False
 
     def to_json(self) -> JsonObject:  # lr-scaling-probe.json when unmeasured
@@ -125,8 +123,7 @@ class LrScalingUnavailable:
 
 @dataclass(frozen=True, kw_only=True)
 class LrScalingMeasured:
-    """Update norms from a fresh state per learning rate, and whether norm / LR stayed constant;
-    its fields in the order lr-scaling-probe.json writes them."""
+    """Update norms from a fresh state per LR, in the order lr-scaling-probe.json writes them."""
 
     available: Literal[True] = True
     measure: str | None = None
@@ -202,9 +199,8 @@ class InitializationProvenance(TypedDict):
 
 
 def check_provenance(entries: Mapping[str, ArmProvenance]) -> list[str]:
-    """Every failure of the group's initialization proof the service's answers can cause (the
-    preflight builds every entry from one checkpoint, one batch and restore_count 1); empty means
-    the group is proved."""
+    """Every failure of the group's initialization proof the service's answers can cause (every
+    entry has one checkpoint, one batch and restore_count 1 by construction)."""
     failures: list[str] = []
     for arm, e in entries.items():
         init = e["initialization"]
@@ -253,9 +249,8 @@ class UpdateNormMeasure(Protocol):
 
 
 class LocalCheckpointReader:
-    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir. Local backend
-    only (the Tinker API exposes no parameters); torch and the embedded server's model module load
-    on the first read, so another backend loads neither."""
+    """Adapter tensors of the checkpoints the embedded server wrote under its run_dir (the Tinker API
+    exposes no parameters); torch and the server's model module load on the first read only."""
 
     description = (
         "local backend only: ||theta_after - theta_before|| over all LoRA parameters, read from "
@@ -272,10 +267,8 @@ class LocalCheckpointReader:
         from dppo_harness.local_server.checkpoint_files import adapter_file  # local backend only
 
         f = adapter_file(self.run_dir, path)
-        if f is None:
-            raise RestorationError(f"not a checkpoint path: {path!r}")
-        if not f.is_file():
-            raise RestorationError(f"checkpoint {path!r} has no adapter file at {f}")
+        if f is None or not f.is_file():
+            raise RestorationError(f"checkpoint {path!r} has no adapter file under {self.run_dir} ({f})")
         return torch.load(f, map_location="cpu", weights_only=True)
 
     def adapter_sha256(self, path: str) -> str:
@@ -291,8 +284,7 @@ class CheckpointUpdateNorm:
     safe_on_a_working_client = True  # save_state only: a request every backend serves
 
     def __init__(self, reader: LocalCheckpointReader, tag: str):
-        self.reader, self.tag, self.description = reader, tag, reader.description
-        self._n = 0
+        self.reader, self.tag, self.description, self._n = reader, tag, reader.description, 0
 
     def __call__(self, client: tinker.TrainingClient, apply_update: Callable[[], object]) -> float | None:
         self._n += 1
@@ -393,12 +385,10 @@ def restore_probe(
     run.say("4/6: probe update 2 on both clients, then logprobs compared")
     g2 = reweighted(batch, 1.0, lambda i: i % 2 == 1)
     before = full_logprobs(uninterrupted, batch)
-    opt2 = {
-        "uninterrupted": fixed_gradient_step(uninterrupted, g2, adam),
-        "restored": fixed_gradient_step(r.client, g2, adam),
-    }
-    for k, v in opt2.items():
-        rec.keep(f"probe_optim_step_2_{k}", v)
+    opts = {"update2_uninterrupted": fixed_gradient_step(uninterrupted, g2, adam)}
+    opts["update2_restored"] = fixed_gradient_step(r.client, g2, adam)
+    for k, v in opts.items():
+        rec.keep(f"probe_optim_step_2_{k.removeprefix('update2_')}", v)
     after_u = full_logprobs(uninterrupted, batch)
     cmp = compare_logprobs(after_u, full_logprobs(r.client, batch), atol)
     effect = compare_logprobs(before, after_u, atol)
@@ -419,10 +409,7 @@ def restore_probe(
         adam_params=adam.model_dump(),
         restored_vs_uninterrupted=as_object(cmp),
         second_update_effect=as_object(effect),
-        optim_metrics={
-            "update1": dict(opt1.metrics or {}),
-            **{f"update2_{k}": dict(v.metrics or {}) for k, v in opt2.items()},
-        },
+        optim_metrics={k: dict(v.metrics or {}) for k, v in {"update1": opt1, **opts}.items()},
         echoed_config=echoed_config(opt1.metrics, list(opt_cfg)),
         echo_ref=echo_ref,
         base_lr_update_norm=norm1,
@@ -439,12 +426,9 @@ def lr_scaling_probe(
 ) -> LrScalingBlock:
     """A fresh state from the initial checkpoint per LR, the same fixed gradient, update norms.
 
-    `measured`: LRs already probed from a fresh state (the restore probe's update 1 on the setup
-    client, at the planned LR); None there means that measure failed, and no further client is
-    created. Every other LR gets its own client created from the initial checkpoint with optimizer.
-    Adam's first step is lr * m_hat / (sqrt(v_hat) + eps) ~ lr * sign(g), so update_norm / lr
-    should be the same at every LR; the relative change against the first probe is checked.
-    """
+    `measured`: LRs already probed (the restore probe's update 1, at the planned LR; None: that
+    measure failed, and no client is created). Adam's first step is ~ lr * sign(g), so
+    update_norm / lr should be the same at every LR, checked against the first probe."""
     lrs = [float(opt_cfg["learning_rate"]) * float(m) for m in multipliers]
 
     def unavailable() -> LrScalingUnavailable:  # why: the measure's last error, read when it failed
@@ -470,13 +454,9 @@ def lr_scaling_probe(
     errors = lr_scaling_error(probes)
     worst = max(errors)
     passed = bool(all(p["update_norm"] > 0 for p in probes) and worst <= LR_SCALING_RTOL)
-    problem = (
-        None
-        if passed
-        else f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {LR_SCALING_RTOL})"
-        if worst > LR_SCALING_RTOL
-        else "an update norm is zero: the update did not move parameters"
-    )
+    problem = None if passed else "an update norm is zero: the update did not move parameters"
+    if worst > LR_SCALING_RTOL:
+        problem = f"update_norm/LR changes by {worst:.3g} relative to the first probe (> {LR_SCALING_RTOL})"
     reset = (
         "a fresh state from the initial checkpoint per probe: the setup client that saved it (nothing applied "
         "before; the restore probe's update 1) at the planned LR, a client created from it with optimizer at "
@@ -497,20 +477,15 @@ def lr_scaling_probe(
 
 
 def attach_lr_scaling(correctness_block: JsonObject, lr_block: LrScalingBlock) -> JsonObject:
-    """The correctness_preflight block with every path's `lr_scaling` filled from the LR probe.
-
-    Where the backend could not measure update norms, each planned LR gets an entry with
-    `update_norm: null`, `available: false` and the reason (never invented, never an empty list),
-    and `lr_scaling_status` says why.
-    """
+    """The correctness_preflight block with every path's `lr_scaling` filled from the LR probe
+    (unmeasured: an entry per planned LR with `update_norm: null` and the reason, never [])."""
     out, written = json.loads(json.dumps(correctness_block)), lr_block.to_json()
     keys: tuple[str, ...] = ("reason",)
     if isinstance(lr_block, LrScalingMeasured):
         keys, entries = ("passed", "rtol", "relative_error", "measure", "reset"), written["lr_scaling"]
     else:  # one entry per planned LR: unmeasured, with the exact reason (never [])
         unmeasured: JsonObject = {"update_norm": None, "available": False, "reason": lr_block.reason}
-        rates: list[float | None] = [*lr_block.learning_rates] or [None]
-        entries = [{"learning_rate": lr, **unmeasured} for lr in rates]
+        entries = [{"learning_rate": lr, **unmeasured} for lr in lr_block.learning_rates]
     status = {"available": lr_block.available, "evidence_ref": LR_SCALING_FILE, **{k: written[k] for k in keys}}
     for path in out.get("paths", []):
         path["lr_scaling"] = json.loads(json.dumps(entries))
@@ -678,11 +653,9 @@ def fresh_checkpoint(
         f"setup (shared, initialization group of seed {seed}): saves the initial checkpoint; then the "
         "uninterrupted restore probe and the base-LR scaling probe",
     )
-    info = client.get_info()
-    rec.keep("create_shared.get_info", info)
+    rec.keep("create_shared.get_info", info := client.get_info())
     name = f"{tag}-initial-shared"
-    saved = client.save_state(name).result()
-    rec.keep("save_shared", saved)
+    rec.keep("save_shared", saved := client.save_state(name).result())
     # Immutability: the server must explicitly refuse to replace the name without overwrite=True.
     try:
         again = client.save_state(name).result()
@@ -724,10 +697,9 @@ def initial_outputs(
     b_sha: str,
     source: Sequence[np.ndarray] | None = None,
 ) -> tuple[dict[str, str], JsonObject, list[str]]:
-    """Step 3: full logprobs of every arm on the fixed batch before any update, compared: each arm's
-    output sha256, the comparisons (by `first_vs_other`) and every pair outside the tolerance.
-    `source` (the setup client's logprobs, taken before its first update) is what a single arm is
-    compared with, so the check can still fail."""
+    """Step 3: each arm's logprobs on the fixed batch before any update: their sha256, the
+    comparisons with the first (a single arm's with `source`, the setup client's, so the check can
+    still fail) and every pair outside the tolerance."""
     stored = {a: full_logprobs(r.client, fixed_batch) for a, r in arms.items()}
     out_sha = {a: logprobs_sha256(lp) for a, lp in stored.items()}
     if source is not None:
@@ -804,11 +776,8 @@ def run_restoration_preflight(
     if len(batch) < 2:
         raise RestorationError("fixed batch needs at least 2 datums (two distinct fixed gradients)")
     b_sha = register_fixed_batch(bundle, batch, fixed_batch_description)
-    call: CallWrapper = (
-        (lambda fn: fn())
-        if capacity is None
-        else (lambda fn: call_with_capacity_retry(fn, policy=capacity, registry=registry))
-    )
+    retry = partial(call_with_capacity_retry, policy=capacity, registry=registry)
+    call: CallWrapper = retry if capacity is not None else (lambda fn: fn())
     rec, probe_sc = Recorder(), probe_service_client or service_client
 
     say(f"1/6: fresh LoRA rank-{run.lora_rank} client on {base_model} and the shared initial checkpoint")
@@ -937,8 +906,7 @@ def run_restoration_preflight(
     bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
     bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
     wall = time.monotonic() - t0
-    passed = 1.0 if not failures else 0.0
-    metrics = {"preflight/restoration_wall_seconds": wall, "preflight/restoration_passed": passed}
+    metrics = {"preflight/restoration_wall_seconds": wall, "preflight/restoration_passed": float(not failures)}
     bundle.update_result(initialization_provenance=posted, metrics=metrics)
     return RestorationResult(
         initial_checkpoint=shared.path,
