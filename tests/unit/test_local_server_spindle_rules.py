@@ -4,6 +4,8 @@ capabilities listings, the spindle-only options and the fault specs they take.""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from dppo_harness import constants
@@ -15,7 +17,6 @@ from dppo_harness.local_server.profiles import (
     DEFAULT_SWEEP_INTERVAL_S,
     DEFAULT_TRAINER_SLOTS,
     SpindleSettings,
-    capabilities_of,
     spindle_deployments,
 )
 
@@ -34,8 +35,8 @@ def test_miles_refusals_in_its_order():
         )
 
 
-def test_deployments_and_capabilities_listings():
-    listed = [d.listing() for d in spindle_deployments(2048)]
+def test_deployments_listing():
+    listed = [dataclasses.asdict(d) for d in spindle_deployments(2048)]
     assert [(d["base_model"], d["parameterization"], d["max_context_length"]) for d in listed] == [
         (constants.BASE_MODEL, "lora", 2048),
         ("Qwen/Qwen3.5-4B", "full", 32768),
@@ -43,11 +44,6 @@ def test_deployments_and_capabilities_listings():
     assert all(
         set(d) == {"name", "definition_id", "base_model", "parameterization", "max_context_length"} for d in listed
     )
-    caps = capabilities_of(spindle_deployments(2048))
-    assert caps == [
-        {"model_name": constants.BASE_MODEL, "max_context_length": 2048},
-        {"model_name": "Qwen/Qwen3.5-4B", "max_context_length": 32768},
-    ]
 
 
 def test_fault_specs_for_spindle():

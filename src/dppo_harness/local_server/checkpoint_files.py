@@ -15,15 +15,13 @@ CHECKPOINT_PATH_RE = re.compile(r"^tinker://([^/]+)/(weights|sampler_weights)/([
 ADAPTER_FILE = "adapter.pt"
 
 
-def checkpoint_dir(run_dir: Path, model_id: str, kind: str, name: str) -> Path:
-    """The directory of checkpoint `name` of `kind` (weights / sampler_weights) of `model_id`."""
-    return run_dir / "checkpoints" / model_id.replace("/", "_") / kind / name
+def checkpoint_dir(run_dir: Path, path: str) -> Path | None:
+    """The directory of checkpoint `path` under `run_dir` (it may not exist); None when `path` is
+    not a tinker:// checkpoint path."""
+    m = CHECKPOINT_PATH_RE.match(path or "")
+    return None if m is None else run_dir / "checkpoints" / m.group(1).replace("/", "_") / m.group(2) / m.group(3)
 
 
 def adapter_file(run_dir: Path, path: str) -> Path | None:
-    """The adapter file of checkpoint `path` under `run_dir` (it may not exist); None when `path`
-    is not a tinker:// checkpoint path."""
-    m = CHECKPOINT_PATH_RE.match(path or "")
-    if not m:
-        return None
-    return checkpoint_dir(run_dir, m.group(1), m.group(2), m.group(3)) / ADAPTER_FILE
+    d = checkpoint_dir(run_dir, path)
+    return None if d is None else d / ADAPTER_FILE

@@ -6,7 +6,6 @@ live only in a `Profile` (excluded from its repr); errors name the header or var
 
 from __future__ import annotations
 
-import dataclasses
 import hmac
 import math
 from collections.abc import Mapping
@@ -82,9 +81,6 @@ class Deployment:
     parameterization: Literal["lora", "full"]
     max_context_length: int | None
 
-    def listing(self) -> JsonObject:
-        return dataclasses.asdict(self)
-
 
 def spindle_deployments(max_context_length: int | None) -> tuple[Deployment, ...]:
     """The definitions the spindle profile says it deploys: the plan's base model with LoRA (the
@@ -93,13 +89,6 @@ def spindle_deployments(max_context_length: int | None) -> tuple[Deployment, ...
         Deployment("qwen3-5-2b-lora", "qwen3-5-2b-lora", constants.BASE_MODEL, "lora", max_context_length),
         Deployment("qwen3-5-4b-full", "qwen3-5-4b-full", FULL_ONLY_MODEL, "full", FULL_ONLY_CONTEXT),
     )
-
-
-def capabilities_of(deployments: tuple[Deployment, ...]) -> list[JsonObject]:
-    """`get_server_capabilities` entries: one per base model, no parameterization
-    (src/spindle/control_plane/deployments.py, `capabilities`, which takes the smallest context of a
-    base model's definitions; each base model here has one)."""
-    return [{"model_name": d.base_model, "max_context_length": d.max_context_length} for d in deployments]
 
 
 @dataclass(frozen=True)

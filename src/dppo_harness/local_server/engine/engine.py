@@ -33,7 +33,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from dppo_harness.constants import BASE_MODEL
 from dppo_harness.data.tokenizer import TmlQwen35Tokenizer
-from dppo_harness.local_server.checkpoint_files import ADAPTER_FILE, CHECKPOINT_PATH_RE, checkpoint_dir
+from dppo_harness.local_server.checkpoint_files import ADAPTER_FILE, checkpoint_dir
 from dppo_harness.local_server.engine import model, sampling, warmstart
 from dppo_harness.local_server.engine.logprobs import head_target_logprobs
 from dppo_harness.local_server.engine.loss_fns import server_loss
@@ -476,8 +476,10 @@ class Engine:
                 "adapter_sha256": model.state_sha256(adapter),
             }
         files["meta.json"] = json.dumps(meta, indent=1).encode()
-        _atomic_dir_write(checkpoint_dir(self.run_dir, model_id, kind, name), files, overwrite)
         path = f"tinker://{model_id}/{kind}/{name}"
+        d = checkpoint_dir(self.run_dir, path)
+        assert d is not None  # an engine model id has no "/", and the name passed _NAME_RE
+        _atomic_dir_write(d, files, overwrite)
         with self._sampler_cache_lock:  # a cached sampler built from `path` is stale now
             self._sampler_cache.pop(path, None)
         return path
@@ -485,17 +487,16 @@ class Engine:
     def save_state(self, model_id: str, name: str, overwrite: bool = False) -> str:
         return self._save(model_id, "weights", name, overwrite, with_optimizer=True)
 
-    def save_for_sampler(self, model_id: str, name: str | None = None) -> str:
+    def save_for_sampler(self, model_id: str, name: str | None = None, *, overwrite: bool = False) -> str:
         if name is None:
             name = f"sampler-{self._get(model_id).steps}-{secrets.token_hex(4)}"
-        return self._save(model_id, "sampler_weights", name, False, with_optimizer=False)
+        return self._save(model_id, "sampler_weights", name, overwrite, with_optimizer=False)
 
     def read_checkpoint(self, path: str) -> tuple[Path, dict]:
         """(its directory, what it says about itself): a restarted server still knows a checkpoint."""
-        m = CHECKPOINT_PATH_RE.match(path or "")
-        if not m:
+        d = checkpoint_dir(self.run_dir, path)
+        if d is None:
             raise UserError(f"malformed checkpoint path {path!r}; expected tinker://<model_id>/weights/<name>")
-        d = checkpoint_dir(self.run_dir, m.group(1), m.group(2), m.group(3))
         if not (d / "meta.json").exists():
             raise UserError(f"checkpoint {path!r} not found")
         meta = json.loads((d / "meta.json").read_text())
@@ -576,7 +577,7 @@ class Engine:
         sampler_path_or_base: str,
         prompt_tokens: Sequence[int],
         num_samples: int,
-        max_tokens: int,
+        max_tokens: int | None,
         temperature: float = 1.0,
         top_k: int = -1,
         top_p: float = 1.0,
@@ -657,11 +658,10 @@ class Engine:
         """Every sample of `jobs` (one sampler, their ids local) decoded together by the one decode
         loop (`sampling.generate`); the sampled ids are mapped back to real ones here."""
         with torch.no_grad():
-            out = sampling.generate(net, jobs, self._preset_text, self.vocab.size)
+            out = sampling.generate(
+                net, jobs, lambda ids: self.tokenizer.decode(self.vocab.to_real(ids)), self.vocab.size
+            )
         return [[dataclasses.replace(d, tokens=self.vocab.to_real(d.tokens)) for d in seqs] for seqs in out]
-
-    def _preset_text(self, local_ids: list[int]) -> str:
-        return self.tokenizer.decode(self.vocab.to_real(local_ids))
 
     def close(self) -> None:
         with self._queue_cv:

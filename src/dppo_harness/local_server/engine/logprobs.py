@@ -160,11 +160,8 @@ def head_target_logprobs(
     `in_vocab` output columns (the restricted vocabulary drops its input-only unk row); a target
     >= `in_vocab` gets the constant `oov_logprob` with zero gradient.
 
-    One fused pass per chunk of rows: base matmul, the LoRA delta added inside the second matmul,
-    log-softmax, target gather; backward (gradients for the hidden rows and the LoRA A/B, the base
-    stays frozen) turns the chunk's kept logits into its softmax gradient in place. Same values as
-    `model.token_logprobs(head(hidden))`; gradients equal autograd's to float rounding. The head
-    must pass `lora_head_parts` (ValueError otherwise)."""
+    Same values as `model.token_logprobs(head(hidden))`; gradients (hidden rows, LoRA A/B) equal
+    autograd's to float rounding. The head must pass `lora_head_parts` (ValueError otherwise)."""
     parts = lora_head_parts(head)
     if parts is None:
         raise ValueError(f"the fused output head does not support {type(head).__name__} heads with this layout")

@@ -1,16 +1,7 @@
-"""The batched KV-cache decode loop of the embedded server's tiny presets.
-
-Every sample of every request in a batch goes through `generate`:
-1. prefill every distinct prompt alone (batch 1, no padding); its KV is copied, right-aligned at
-   the longest prompt's end, into its samples' rows of preallocated buffers (`BufferLayer`), so a
-   decode step writes one position instead of concatenating the whole cache;
-2. decode all rows together; the output head runs on the last position only; as soon as a row has
-   finished, the batch is compacted to the rows still running.
-
-Draws (`draws.py`): temperature 0 is argmax, else what `torch.multinomial(softmax, 1)` draws from
-the request's own `torch.Generator` (seeded with the request seed), so the same request alone, or
-with the same concurrent batch, gives the same tokens. Per-token logprobs are the untempered
-log-softmax of the drawn token over the in-vocabulary columns (the trainer's distribution).
+"""The batched KV-cache decode loop of the embedded server's tiny presets (docs/local-server.md
+"Sampler"): every distinct prompt is prefilled alone and its KV copied, right-aligned, into its
+samples' rows of preallocated buffers (`BufferLayer`), so a decode step writes one position; all
+rows then decode together, compacted as rows finish. Draws are `draws.py`'s, per request generator.
 """
 
 from __future__ import annotations

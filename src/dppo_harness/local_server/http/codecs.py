@@ -60,29 +60,21 @@ class FwdBwdRequest:
     forward_only: bool
 
 
-def inflate_zstd(body: bytes) -> bytes:
-    """A zstd-compressed request body, decompressed (at most MAX_INFLATED_BODY bytes)."""
-    out = bytearray()
-    try:
-        with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as reader:
-            while chunk := reader.read(1 << 20):
-                out += chunk
-                if len(out) > MAX_INFLATED_BODY:
-                    raise ProtocolError(f"zstd body inflates beyond {MAX_INFLATED_BODY} bytes")
-    except zstandard.ZstdError as exc:
-        raise ProtocolError(f"Content-Encoding zstd: body is not a zstd stream: {exc}") from exc
-    return bytes(out)
-
-
 def decode_fwdbwd_request(body: bytes, content_encoding: str | None) -> FwdBwdRequest:
-    """The protobuf `ForwardBackwardRequest` as plain Python: model_id, seq_id, data, loss_fn, ...
-
-    SDK 0.25 zstd-compresses the body and sends `Content-Encoding: zstd` when client/config says
-    `proto_compress_fwdbwd` (tinker/resources/training.py); anything else arrives uncompressed.
-    """
+    """The protobuf `ForwardBackwardRequest` as plain Python. SDK 0.25 zstd-compresses it (with
+    `Content-Encoding: zstd`) when client/config says `proto_compress_fwdbwd` (resources/training.py)."""
     encoding = (content_encoding or "identity").strip().lower()
-    if encoding == "zstd":
-        body = inflate_zstd(body)
+    if encoding == "zstd":  # at most MAX_INFLATED_BODY bytes
+        out = bytearray()
+        try:
+            with zstandard.ZstdDecompressor().stream_reader(body, read_across_frames=True) as reader:
+                while piece := reader.read(1 << 20):
+                    out += piece
+                    if len(out) > MAX_INFLATED_BODY:
+                        raise ProtocolError(f"zstd body inflates beyond {MAX_INFLATED_BODY} bytes")
+        except zstandard.ZstdError as exc:
+            raise ProtocolError(f"Content-Encoding zstd: body is not a zstd stream: {exc}") from exc
+        body = bytes(out)
     elif encoding != "identity":
         raise ProtocolError(
             f"Content-Encoding {content_encoding!r} is not supported; send zstd or uncompressed protobuf"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import Awaitable, Callable
@@ -40,7 +41,7 @@ from dppo_harness.local_server.http.state import (
     parse_body,
     str_metadata,
 )
-from dppo_harness.local_server.profiles import capabilities_of, spindle_deployments
+from dppo_harness.local_server.profiles import spindle_deployments
 
 MAX_TELEMETRY_BODIES = 1000
 LONG_POLL_S = 20.0  # the SDK's retrieve_future timeout is 45 s
@@ -67,12 +68,11 @@ async def stats(request: web.Request) -> web.Response:
 async def get_server_capabilities(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     max_ctx = state.engine.config.max_position_embeddings
-    if state.profile.is_spindle:
-        # One entry per deployed base model, no parameterization (src/spindle/control_plane/deployments.py).
-        listed: list[JsonValue] = list(capabilities_of(spindle_deployments(max_ctx)))
+    if state.profile.is_spindle:  # one entry per deployed base model, no parameterization (deployments.py)
+        served = [(d.base_model, d.max_context_length) for d in spindle_deployments(max_ctx)]
     else:
-        models = [types.SupportedModel(model_name=name, max_context_length=max_ctx) for name in state.served_models()]
-        listed = [dump(m) for m in models]
+        served = [(name, max_ctx) for name in state.profile.served_models(state.engine.served_models)]
+    listed: list[JsonValue] = [dump(types.SupportedModel(model_name=n, max_context_length=c)) for n, c in served]
     # Extra key (the SDK's type ignores it): who is really answering.
     body: JsonObject = {"supported_models": listed, "embedded_server": state.marker()}
     return ok(state.faults.omit_json("get_server_capabilities", body))
@@ -81,7 +81,7 @@ async def get_server_capabilities(request: web.Request) -> web.Response:
 async def deployments(request: web.Request) -> web.Response:
     """`GET spindle/deployments`: every deployed definition (control_plane/http.py, `list_deployments`)."""
     max_ctx = request.app[STATE_KEY].engine.config.max_position_embeddings
-    return ok({"deployments": [d.listing() for d in spindle_deployments(max_ctx)]})
+    return ok({"deployments": [dataclasses.asdict(d) for d in spindle_deployments(max_ctx)]})
 
 
 async def client_config(request: web.Request) -> web.Response:
@@ -181,18 +181,16 @@ async def get_info(request: web.Request) -> web.Response:
     state = request.app[STATE_KEY]
     req = await parse_body(request, types.GetInfoRequest)
     entry = state.model(req.model_id)
-    spindle_profile = state.profile.is_spindle
+    spindle_profile, served = state.profile.is_spindle, state.engine.served_model_name
     response = types.GetInfoResponse(
         type="get_info",
         # its own model's name, as a service names what computes (the requested name is an alias);
         # Spindle sends no architecture, tokenizer id or optimizer config (control_plane/http.py, get_info)
-        model_data=types.ModelData(
-            model_name=state.stand_in, tokenizer_id=None if spindle_profile else entry.base_model
-        ),
+        model_data=types.ModelData(model_name=served, tokenizer_id=None if spindle_profile else entry.base_model),
         model_id=entry.model_id,
         is_lora=True,
         lora_rank=entry.lora_rank,
-        model_name=state.stand_in,
+        model_name=served,
     )
     info = dump(response) | ({"parameterization": {"type": "lora"}} if spindle_profile else {})
     return ok(state.faults.omit_json("get_info", info))
@@ -393,9 +391,6 @@ async def asample(request: web.Request) -> web.Response:
             state.check_served(target)
     prompt = prompt_tokens_of(req.prompt)
     params = req.sampling_params
-    max_tokens = params.max_tokens
-    if max_tokens is None or max_tokens < 1:
-        raise UserError(f"asample: sampling_params.max_tokens must be a positive integer, got {max_tokens!r}")
     stop_ids, stop_strings = parse_stop(params.stop, [constants.STOP_TOKEN_ID])
     want_prompt_lp = bool(req.prompt_logprobs)
 
@@ -404,7 +399,7 @@ async def asample(request: web.Request) -> web.Response:
             target,
             prompt,
             req.num_samples,
-            max_tokens,
+            params.max_tokens,
             float(params.temperature),
             int(params.top_k),
             float(params.top_p),

@@ -1,16 +1,7 @@
 """What the spindle profile does that the default profile does not, read from Spindle's source
-(repository `modal-projects/spindle`; each rule names its file):
-
-- errors in Spindle's shape, `{"error": <code>, "message": <text>}` (control_plane/http.py,
-  ERROR_STATUSES and `handle_http_exception`); unknown routes `{"detail": "Not Found"}` (FastAPI);
-- the one trainer's cold start and LoRA slots: a creation waits (pending, queue_state active, no
-  reason) until the trainer is up and a slot is free (control_plane/service.py `_retrieve_creation`
-  / `_place_claimed`; engine/server.py `accept_model` answers False when full);
-- Miles multi-LoRA's refusals at model acceptance (backends/miles_lora.py `_validate_job`, wrapped
-  as "accept model: ..." by engine/server.py `_run_accept`; a failed future, category user);
-- a trainer that dies (`ServerState.check_lost`); the idle-session sweep (control_plane/service.py
-  `sweep_idle_sessions`).
-"""
+(`modal-projects/spindle`; docs/local-server.md "Spindle profile" lists each rule with its file):
+its error shapes, the trainer's cold start and LoRA slots, Miles' refusals at model acceptance and
+the idle-session sweep (a trainer that dies is `ServerState.check_lost`)."""
 
 from __future__ import annotations
 
@@ -84,10 +75,9 @@ def check_creation(req: types.CreateModelRequest) -> None:
 async def admit_creation(
     state: ServerState, model_id: str, session_id: str, refusal: str | None = None
 ) -> Outcome | None:
-    """Wait until the trainer is up and `model_id` holds one of its LoRA slots: None then, or the
-    Outcome the creation fails with: the session reclaimed meanwhile, or Miles' `refusal` at
-    acceptance (`lora_refusal`). Meanwhile the
-    creation's future is plainly pending, so its polls say queue_state active with no reason."""
+    """Wait (a plainly pending future) until the trainer is up and `model_id` holds one of its LoRA
+    slots: None then, or the Outcome the creation fails with (its session reclaimed meanwhile, or
+    Miles' `refusal` at acceptance)."""
     settings = state.profile.spindle
     if state.trainer_ready_at is None:  # the first creation starts the trainer
         state.trainer_ready_at = time.monotonic() + settings.cold_start_s

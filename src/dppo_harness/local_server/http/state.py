@@ -125,16 +125,12 @@ class ServerState:
             self.results.pop(old_id)
         return request_id, fut
 
-    @property
-    def stand_in(self) -> str:
-        """The identity of the model really computing (e.g. `local/tiny-qwen3-gsm8k`)."""
-        return self.engine.served_model_name
-
-    def served_models(self) -> list[str]:
-        return self.profile.served_models(self.engine.served_models)
-
     def marker(self) -> JsonObject:
-        return {"marker": constants.EMBEDDED_SERVER_MARKER, "stand_in": self.stand_in, "profile": self.profile.name}
+        return {
+            "marker": constants.EMBEDDED_SERVER_MARKER,
+            "stand_in": self.engine.served_model_name,
+            "profile": self.profile.name,
+        }
 
     def record_checkpoint(self, path: str) -> None:
         parsed = types.ParsedCheckpointTinkerPath.from_tinker_path(path)
@@ -172,7 +168,7 @@ class ServerState:
         times = os.times()
         return {
             "process_cpu_seconds": times.user + times.system,
-            "served_model": self.stand_in,
+            "served_model": self.engine.served_model_name,
             "profile": self.profile.name,
             "faults": self.faults.snapshot(),
             "headers": self.headers.snapshot(),
@@ -218,12 +214,11 @@ class ServerState:
         return entry
 
     def check_served(self, base_model: str) -> None:
-        if base_model not in self.served_models():
+        served = self.profile.served_models(self.engine.served_models)
+        if base_model not in served:
             if self.profile.is_spindle:  # control_plane/http.py create_sampling_session / create_model
                 raise SpindleError(400, "invalid_request", f"unsupported base_model: {base_model}")
-            raise UserError(
-                f"base model {base_model!r} is not served by the local server; served models: {self.served_models()}"
-            )
+            raise UserError(f"base model {base_model!r} is not served by the local server; served models: {served}")
 
     def new_sampler(self, session_id: str, seq: int, base_model: str, model_path: str | None) -> str:
         sampler_id = f"{session_id}:sample:{seq}"
