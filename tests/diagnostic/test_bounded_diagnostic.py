@@ -70,8 +70,9 @@ def test_truncation_and_declarations_are_recorded_and_reported(diagnostic_run, e
 
     analysis = json.loads(evidence_bundle.file_path(ANALYSIS_FILE).read_text())
     y = analysis["rollout_yield"]
-    assert y["n"] == diagnostic_run.config.groups_per_batch * diagnostic_run.config.group_size
-    assert y["max_tokens"] == diagnostic_run.config.max_tokens and 0 <= y["truncated"] <= y["n"]
+    config = analysis["config"]
+    assert y["n"] == config["groups_per_batch"] * config["group_size"]
+    assert y["max_tokens"] == config["max_tokens"] and 0 <= y["truncated"] <= y["n"]
     metrics = evidence_bundle.result["metrics"]
     assert metrics["diagnostic/rollout_truncated_frac"] == y["truncated_frac"]
     eff = json.loads(evidence_bundle.file_path("effective-config.json").read_text())
