@@ -22,7 +22,6 @@ from dppo_harness.evidence.files import unwritable_reason
 from dppo_harness.evidence.provenance import ARCHIVED, archived_paths
 from dppo_harness.evidence.run_summary import TITLE, summary_lines
 from dppo_harness.evidence.session import finish_session, unclosed_line
-from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.plans import (
     BackendKind,
     Plan,
@@ -380,7 +379,7 @@ def close_stage(state: StageState, stage: str) -> None:
     status = "failed" if stage in state.first_failure else "passed"
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
     if stage != "unit":  # an immutable result snapshot at each service stage's end (a killed run keeps it)
-        post_snapshot(bundle, f"stage {stage} end", reserve=4, stage_end=True)
+        bundle.post_snapshot(f"stage {stage} end", reserve=4, stage_end=True)
 
 
 @pytest.hookimpl(wrapper=True)
