@@ -284,7 +284,7 @@ def pytest_runtestloop(session: pytest.Session) -> None:
     """Launch scope, once, before the first test, from the plan that will run however the stages
     were selected (`-m`, paths, node ids): on a service that is not the embedded server, a collected
     stage the plan's launch does not authorize ends the session at once with one line saying what
-    would authorize it (plans.launch); so does a connectivity preflight that cannot tell which
+    would authorize it (plans.launch_refusal); so does a connectivity preflight that cannot tell which
     service it is. Its report is reused by the `connectivity` fixture; nothing else is created."""
     config = session.config
     options = config.stash[OPTIONS_KEY]
