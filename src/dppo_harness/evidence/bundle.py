@@ -18,7 +18,6 @@ from urllib.parse import urlsplit
 from dppo_harness.evidence import files
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, RECORD, STAGE_END_SLOTS
-from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
     FILES_DIR,
     LATEST_FILE,
@@ -26,7 +25,11 @@ from dppo_harness.evidence.files import (
     MAX_FILES,
     RESULT_FILE,
     SNAPSHOT_RE,
+    EvidenceError,
     FileEntry,
+    LimitError,
+    ResultShapeError,
+    UnwritableEvidenceError,
     atomic_write,
     dump_json,
     json_file_bytes,
