@@ -10,7 +10,6 @@ from typing import Any
 
 from dppo_harness.evidence import EvidenceBundle, budget
 from dppo_harness.evidence.files import MAX_FILES
-from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.evidence.verify import verify_bundle
 from dppo_harness.stages.comparison import run as comparison_run
 
@@ -35,7 +34,7 @@ def test_three_arms_saving_every_step_leave_room_for_the_end_a_restore_and_the_c
     for step in range(1, 51):
         kept = budget.comparison_reserve(len(run.arms), restores)
         name = comparison_run._register_saved_state(bundle, state, step, kept)
-        post_snapshot(bundle, f"comparison step {step} saved", reserve=kept + len(budget.CLOSING_RECORDS))
+        bundle.post_snapshot(f"comparison step {step} saved", reserve=kept + len(budget.CLOSING_RECORDS))
         if name is None:
             break
         registered.append(name)
@@ -47,9 +46,7 @@ def test_three_arms_saving_every_step_leave_room_for_the_end_a_restore_and_the_c
         bundle.register_json(f"comparison-state-r0-arm{i}-s9-a1.json", "manifest", {"restore": i})
     for i in range(budget.comparison_reserve(3)):  # steps, end state, evaluator, predictions, report...
         bundle.register_bytes(f"end-{i:02d}.json", "metrics", b"[%d]" % i)
-    assert (
-        post_snapshot(bundle, "stage comparison end", reserve=len(budget.CLOSING_RECORDS), stage_end=True) is not None
-    )
+    assert bundle.post_snapshot("stage comparison end", reserve=len(budget.CLOSING_RECORDS), stage_end=True) is not None
     for name in budget.CLOSING_RECORDS:
         bundle.register_json(name, "log", {"closing": name})
     assert len(bundle.files()) == MAX_FILES

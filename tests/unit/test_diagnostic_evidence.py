@@ -8,7 +8,6 @@ import pytest
 
 from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.evidence.files import MAX_FILES
-from dppo_harness.evidence.snapshots import post_snapshot, snapshot_names
 from dppo_harness.loss import correctness, correctness_golden
 from dppo_harness.plans import PlanError, load_plan
 from dppo_harness.stages.diagnostic import write
@@ -88,15 +87,18 @@ def test_feasibility_from_the_diagnostics_own_measurements():
 def test_snapshots_are_immutable_numbered_and_respect_the_file_limit(tmp_path):
     b = EvidenceBundle.create(tmp_path, "s", env={})
     b.update_result(metrics={"diagnostic/updates_done": 4.0})
-    assert post_snapshot(b, "after 4") == "result-0001.json"
+    assert b.post_snapshot("after 4") == "result-0001.json"
     b.update_result(metrics={"diagnostic/updates_done": 8.0})
-    assert post_snapshot(b, "after 8") == "result-0002.json"
+    assert b.post_snapshot("after 8") == "result-0002.json"
     first = json.loads(b.file_path("result-0001.json").read_text())
     assert first["metrics"]["diagnostic/updates_done"] == 4.0  # unchanged by later updates
     for i in range(MAX_FILES - len(b.files()) - 3):
         b.register_json(f"x{i}.json", "log", {})
-    assert post_snapshot(b, "late", reserve=4) is None
-    assert snapshot_names(b) == ["result-0001.json", "result-0002.json"]
+    assert b.post_snapshot("late", reserve=4) is None
+    assert sorted(e["name"] for e in b.files() if e["name"].startswith("result-")) == [
+        "result-0001.json",
+        "result-0002.json",
+    ]
     assert b.ledger()["snapshots"][-1]["skipped"].startswith("file limit")
 
 

@@ -10,7 +10,6 @@ import pytest
 
 from dppo_harness.evidence import EvidenceBundle, LimitError, budget
 from dppo_harness.evidence.files import MAX_FILE_BYTES, MAX_FILES, MAX_TOTAL_BYTES
-from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.evidence.verify import verify_bundle
 
 RESERVED = len(budget.CLOSING_RECORDS) + budget.STAGE_END_SLOTS
@@ -37,7 +36,7 @@ def test_the_reserve_holds_for_the_closing_records_after_a_stage_writes_up_to_th
     with pytest.raises(LimitError, match="reserved for the closing records") as exc:
         b.register_bytes("one-more.txt", "log", b"y")
     assert f"already written: {MAX_FILES - RESERVED} files" in str(exc.value)
-    assert post_snapshot(b, "stage diagnostic end", reserve=len(budget.CLOSING_RECORDS), stage_end=True) is not None
+    assert b.post_snapshot("stage diagnostic end", reserve=len(budget.CLOSING_RECORDS), stage_end=True) is not None
     for name in budget.CLOSING_RECORDS:
         b.register_json(name, "log", {"name": name})
     assert len(b.files()) == MAX_FILES
@@ -67,7 +66,7 @@ def test_an_optional_file_is_skipped_and_recorded_when_only_the_reserve_is_left(
     b = _closing_bundle(tmp_path)
     _fill(b)
     before = len(b.files())
-    assert post_snapshot(b, "waiting: sample on arm0", reserve=0) is None
+    assert b.post_snapshot("waiting: sample on arm0", reserve=0) is None
     assert len(b.files()) == before
     skipped = b.ledger()["snapshots"][-1]
     assert skipped["name"] is None and skipped["label"] == "waiting: sample on arm0"
@@ -76,7 +75,7 @@ def test_an_optional_file_is_skipped_and_recorded_when_only_the_reserve_is_left(
 
 def test_an_optional_file_is_posted_while_there_is_room(tmp_path: Path) -> None:
     b = _closing_bundle(tmp_path)
-    assert post_snapshot(b, "waiting: sample on arm0", reserve=0) == "result-0001.json"
+    assert b.post_snapshot("waiting: sample on arm0", reserve=0) == "result-0001.json"
 
 
 @pytest.mark.parametrize(

@@ -18,14 +18,18 @@ from urllib.parse import urlsplit
 from dppo_harness.evidence import files
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, RECORD, STAGE_END_SLOTS
-from dppo_harness.evidence.errors import EvidenceError, LimitError, ResultShapeError, UnwritableEvidenceError
 from dppo_harness.evidence.files import (
     FILES_DIR,
     LATEST_FILE,
     LEDGER_FILE,
     MAX_FILES,
     RESULT_FILE,
+    SNAPSHOT_RE,
+    EvidenceError,
     FileEntry,
+    LimitError,
+    ResultShapeError,
+    UnwritableEvidenceError,
     atomic_write,
     dump_json,
     json_file_bytes,
@@ -275,6 +279,26 @@ class EvidenceBundle:
                 "(no query string, fragment or credentials)"
             )
         self._append(("evidence", "checkpoints"), {"arm": arm, "step": step, "uri": uri})
+
+    def post_snapshot(self, label: str, *, reserve: int = 10, stage_end: bool = False) -> str | None:
+        """Register the current result.json, exactly as posted, as the next `result-NNNN.json`, so a
+        session that ends early still leaves its results; its name, or None (recorded in the ledger as
+        skipped) when the file limit less `reserve` (slots kept for later evidence, the closing records
+        counted; the slot kept for the last stage-end snapshot comes on top) leaves no room."""
+        with self._lock:
+            entries, log = self._entries(), self._ledger.setdefault("snapshots", [])
+            kept = reserve + (0 if stage_end else STAGE_END_SLOTS)
+            if len(entries) + 1 > MAX_FILES - kept or self.free_slots(stage_end=stage_end) < 1:
+                skipped = f"file limit: {len(entries)} of {MAX_FILES} files used, {kept} kept for later evidence"
+                log.append({"label": label, "name": None, "skipped": skipped})
+                self._write_ledger()
+                return None
+            last = max((int(m.group(1)) for e in entries if (m := SNAPSHOT_RE.match(e["name"]))), default=0)
+            name = f"result-{last + 1:04d}.json"
+            self.register_json(name, "metrics", self._result, stage_end=stage_end)
+            log.append({"label": label, "name": name, "elapsed_s": round(self.elapsed_seconds(), 3)})
+            self._write_ledger()
+            return name
 
     def finish(
         self, status: str, verdict: str, outcome_reason: str | None = None, summary: str | None = None, **fields: Any

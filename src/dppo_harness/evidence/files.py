@@ -1,7 +1,7 @@
-"""The bundle's file names, limits and writes: `files/<name>`, immutable once registered.
-
-The entries ({name, kind, sha256, size}) live in result.json under evidence.files; the bundle keeps
-them there. This module decides whether bytes may be registered and writes them atomically.
+"""The bundle's file names, limits, writes and errors (SecretLeakError comes from secrets_scan):
+`files/<name>`, immutable once registered. The entries ({name, kind, sha256, size}) live in
+result.json under evidence.files; the bundle keeps them there. This module decides whether bytes
+may be registered and writes them atomically.
 """
 
 from __future__ import annotations
@@ -18,7 +18,27 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal, TypedDict, get_args
 
-from dppo_harness.evidence.errors import EvidenceError, ImmutableNameError, LimitError
+
+class EvidenceError(RuntimeError):
+    """Bad input to the bundle; nothing was written."""
+
+
+class LimitError(EvidenceError):
+    """A file, the file count or the run's total bytes would exceed the bundle's limits."""
+
+
+class ImmutableNameError(EvidenceError):
+    """A registered name was offered different bytes or a different kind."""
+
+
+class ResultShapeError(EvidenceError):
+    """result.json would not have the structured-output shape (`result.ResultModel`)."""
+
+
+class UnwritableEvidenceError(EvidenceError):
+    """The evidence directory refused a write (disk full, read-only, permission denied); nothing of
+    that write landed. Its message is the one line a user sees."""
+
 
 MAX_FILE_BYTES = 10 * 1024 * 1024
 MAX_FILES = 64
@@ -45,6 +65,7 @@ LEDGER_FILE = "ledger.json"
 LATEST_FILE = "LATEST"  # beside the run dirs: the newest run_id
 FILES_DIR = "files"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
+SNAPSHOT_RE = re.compile(r"^result-(\d{4})\.json$")  # result snapshots (EvidenceBundle.post_snapshot)
 RESERVED_NAMES = frozenset({RESULT_FILE, LEDGER_FILE, LATEST_FILE})
 STATE_ROOT = "comparison-state"  # beside the run dirs: comparison-state/<run>/ (state, lock, metrics logs)
 SERVER_DIR = "local-server"  # beside the run dirs: the embedded server a comparison keeps, its server.log

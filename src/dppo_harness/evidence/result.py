@@ -15,8 +15,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from dppo_harness.evidence.backend import Backend, Block, backend_of
-from dppo_harness.evidence.errors import EvidenceError, ResultShapeError
-from dppo_harness.evidence.files import FileKind
+from dppo_harness.evidence.files import EvidenceError, FileKind, ResultShapeError
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.plans.models import (
     NonNegInt,

@@ -13,7 +13,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dppo_harness.evidence.errors import ResultShapeError
 from dppo_harness.evidence.files import (
     FILES_DIR,
     MAX_FILE_BYTES,
@@ -21,6 +20,7 @@ from dppo_harness.evidence.files import (
     MAX_TOTAL_BYTES,
     NAME_RE,
     RESULT_FILE,
+    ResultShapeError,
     run_dir_of,
     sha256_bytes,
     sidecar_files,

@@ -1,12 +1,16 @@
 """Frozen plans: the plan models (`models`), loading and the plan's config (`plan`), the typed
 run config (`run_config`), the resolution file beside a spec (`resolution`), rehearsal rules
-(`rehearsal`) and launch scope (`launch`). CLI: `python -m dppo_harness.plans validate PLAN`.
+(`rehearsal`); launch scope is `models`'s. CLI: `python -m dppo_harness.plans validate PLAN`.
 """
 
-from dppo_harness.plans.launch import refusal as launch_refusal
-from dppo_harness.plans.launch import unauthorized_stages
-from dppo_harness.plans.launch import undecided_refusal as launch_undecided_refusal
-from dppo_harness.plans.models import DEVIATION_FIELDS, ExperimentSpec, PlanError
+from dppo_harness.plans.models import (
+    DEVIATION_FIELDS,
+    ExperimentSpec,
+    PlanError,
+    launch_refusal,
+    launch_undecided_refusal,
+    unauthorized_stages,
+)
 from dppo_harness.plans.plan import (
     BackendKind,
     Plan,

@@ -458,9 +458,11 @@ class OriginalPlanRef(StrictModel):
     kept_intact: Literal[True]
 
 
-# Stages that train beyond setup: on a service that is not the embedded server each needs the
-# plan's launch block to authorize it. The preflight (connectivity, restoration probes, timing
-# pilot) is the setup every authorized stage needs, so it is never refused.
+# Stages that train beyond setup: on a service that is not the embedded server (a rehearsal, never
+# refused) each needs the plan's launch block to authorize it, in the requester's words: the scope
+# is data in the plan, never a code edit. An unauthorized one is refused before any client exists,
+# in one line saying what would authorize it. The preflight (connectivity, restoration probes,
+# timing pilot) is the setup every authorized stage needs, so it is never refused.
 AuthorizableStage = Literal["gate", "diagnostic", "comparison"]
 AUTHORIZABLE_STAGES: tuple[str, ...] = get_args(AuthorizableStage)
 
@@ -480,6 +482,56 @@ class Launch(StrictModel):
         if len(set(self.authorized_stages)) != len(self.authorized_stages):
             raise rule_error("authorized_stages", "lists a stage twice")
         return self
+
+
+def unauthorized_stages(launch: Launch | None, stages: Sequence[str]) -> list[str]:
+    """The selected stages that need authorization and that `launch` does not authorize."""
+    allowed = set(launch.authorized_stages) if launch is not None else set()
+    return [s for s in stages if s in AUTHORIZABLE_STAGES and s not in allowed]
+
+
+def launch_refusal(
+    plan_name: str,
+    launch: Launch | None,
+    stages: Sequence[str],
+    *,
+    embedded: bool,
+    service: str,
+    stated_in: str | None = None,
+) -> str | None:
+    """The one-line refusal for running `stages` under this launch, or None when allowed.
+    `stated_in`: the resolution file the launch comes from, when the plan (a verbatim spec) holds none."""
+    what = ", ".join(unauthorized_stages(launch, stages))
+    if embedded or not what:
+        return None
+    if launch is None:
+        has = f"plan {plan_name} carries no launch block"
+    else:
+        where = f" (stated in {stated_in})" if stated_in else ""
+        has = (
+            f"plan {plan_name}'s launch{where} authorizes {', '.join(launch.authorized_stages) or 'no training stage'} "
+            f"({launch.scope})"
+        )
+    return (
+        f"launch scope: stage {what} is not authorized on {service} (not the embedded server): {has}; a plan "
+        f"whose launch.authorized_stages lists {what} would authorize it"
+    )
+
+
+def launch_undecided_refusal(
+    plan_name: str, launch: Launch | None, stages: Sequence[str], *, service: str, seen: str
+) -> str | None:
+    """The one-line refusal when the stages need this launch's authorization unless `service` is the
+    embedded server, and the check could not tell (`seen`: what the connectivity preflight saw).
+    None when nothing selected needs authorization."""
+    what = ", ".join(unauthorized_stages(launch, stages))
+    if not what:
+        return None
+    return (
+        f"launch scope: stage {what} is authorized only on the embedded server by plan {plan_name}, and whether "
+        f"{service} is that server could not be told ({seen}); run again when the service answers, or with a plan "
+        f"whose launch.authorized_stages lists {what}"
+    )
 
 
 class AnalysisCriterion(_Bounded):

@@ -22,7 +22,6 @@ from dppo_harness.evidence.files import unwritable_reason
 from dppo_harness.evidence.provenance import ARCHIVED, archived_paths
 from dppo_harness.evidence.run_summary import TITLE, summary_lines
 from dppo_harness.evidence.session import finish_session, unclosed_line
-from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.plans import (
     BackendKind,
     Plan,
@@ -288,7 +287,7 @@ def pytest_runtestloop(session: pytest.Session) -> None:
     """Launch scope, once, before the first test, from the plan that will run however the stages
     were selected (`-m`, paths, node ids): on a service that is not the embedded server, a collected
     stage the plan's launch does not authorize ends the session at once with one line saying what
-    would authorize it (plans.launch); so does a connectivity preflight that cannot tell which
+    would authorize it (plans.launch_refusal); so does a connectivity preflight that cannot tell which
     service it is. Its report is reused by the `connectivity` fixture; nothing else is created."""
     config = session.config
     options = config.stash[OPTIONS_KEY]
@@ -395,7 +394,7 @@ def close_stage(state: StageState, stage: str) -> None:
     status = "failed" if stage in state.first_failure else "passed"
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
     if stage != "unit":  # an immutable result snapshot at each service stage's end (a killed run keeps it)
-        post_snapshot(bundle, f"stage {stage} end", reserve=4, stage_end=True)
+        bundle.post_snapshot(f"stage {stage} end", reserve=4, stage_end=True)
 
 
 @pytest.hookimpl(wrapper=True)

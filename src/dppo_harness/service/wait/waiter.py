@@ -27,7 +27,6 @@ from tinker.lib.public_interfaces.rest_client import RestClient
 from dppo_harness.evidence import budget
 from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
-from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.json_types import JsonObject
 from dppo_harness.service.wait.policy import (
     CapacityBlock,
@@ -615,8 +614,8 @@ class BundlePoster:
             if due and self.snapshots < MAX_WAIT_SNAPSHOTS:
                 self._last_snapshot = now
                 self.snapshots += (
-                    post_snapshot(
-                        self.bundle, f"waiting: {status.call} on {status.client}", reserve=WAIT_SNAPSHOT_RESERVE
+                    self.bundle.post_snapshot(
+                        f"waiting: {status.call} on {status.client}", reserve=WAIT_SNAPSHOT_RESERVE
                     )
                     is not None
                 )
@@ -641,4 +640,4 @@ class BundlePoster:
         if not body.strip():
             fields["summary"] = f"Stopped waiting on the service: {stop.line}."
         self.bundle.update_result(**fields)
-        post_snapshot(self.bundle, f"service stop ({stop.kind})", reserve=4)
+        self.bundle.post_snapshot(f"service stop ({stop.kind})", reserve=4)

@@ -17,8 +17,7 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, sha256_bytes
-from dppo_harness.evidence.snapshots import SNAPSHOT_RE
+from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, SNAPSHOT_RE, sha256_bytes
 from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonError

@@ -25,7 +25,6 @@ from dppo_harness.evidence import budget, report
 from dppo_harness.evidence.backend import backend_of, session_served
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.evidence.provenance import package_files_sha256
-from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object, as_value
 from dppo_harness.loss import losses
@@ -456,7 +455,7 @@ class Arms:
             # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
             kept = budget.comparison_reserve(len(run.arms), self.restores_left)
             _register_saved_state(bundle, state, done, kept)
-            post_snapshot(bundle, f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
+            bundle.post_snapshot(f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
         arm_rows = [r for r in state.rows if r["arm"] == name]
         bundle.post_arm_metrics(name, arm_summary(arm_rows))
         if all(s.steps_done > row["step"] for s in state.arms.values()) and tracker() <= row["step"]:

@@ -12,8 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, TypedDict
 
-from dppo_harness.evidence.errors import UnwritableEvidenceError
-from dppo_harness.evidence.files import atomic_write, unwritable_line
+from dppo_harness.evidence.files import UnwritableEvidenceError, atomic_write, unwritable_line
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.step_rows import StepRowJson

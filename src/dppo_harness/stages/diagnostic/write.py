@@ -21,7 +21,6 @@ from pydantic import JsonValue
 from dppo_harness.evidence import budget, report
 from dppo_harness.evidence.backend import ServedModel, served_name
 from dppo_harness.evidence.files import MAX_FILE_BYTES
-from dppo_harness.evidence.snapshots import post_snapshot
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, pool_calls
@@ -310,7 +309,7 @@ def post_progress(bundle: EvidenceBundle, max_updates: int, state: RunState) -> 
         return
     bundle.update_result(metrics={"diagnostic/updates_done": float(n), "diagnostic/elapsed_seconds": state.elapsed()})
     # the last planned update's snapshot is the stage-end one, posted after the analysis
-    name = post_snapshot(bundle, f"diagnostic after update {n}") if n < max_updates else None
+    name = bundle.post_snapshot(f"diagnostic after update {n}") if n < max_updates else None
     if name:
         state.snapshots.append(name)
 
@@ -400,7 +399,7 @@ def write_evidence(
         else ("metrics", "summary", "activation_calibration")
     )
     bundle.update_result(**{k: v for k, v in fields_.items() if k in keep})
-    post_snapshot(bundle, "diagnostic stage end", reserve=4)
+    bundle.post_snapshot("diagnostic stage end", reserve=4)
     return result
 
 
