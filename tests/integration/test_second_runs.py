@@ -34,23 +34,37 @@ def _collect(args: list[str], cwd: Path = ROOT) -> tuple[int, list[str], str]:
     return proc.returncode, [ln for ln in proc.stdout.splitlines() if "::" in ln], out
 
 
+@pytest.fixture(scope="module")
+def first_run(tmp_path_factory):
+    """What `-m STAGE --evidence-dir=DIR` collects from the project's root with DIR not existing
+    yet, as a first run (the `=` form is never taken for a test path): once per stage for the file."""
+    collected: dict[str, list[str]] = {}
+
+    def of(stage: str) -> list[str]:
+        if stage not in collected:
+            evidence = tmp_path_factory.mktemp("first") / "ev"
+            rc, got, out = _collect(["-m", stage, f"--evidence-dir={evidence}"])
+            assert rc == 0 and got, out[-3000:]
+            collected[stage] = got
+        return collected[stage]
+
+    return of
+
+
 @pytest.mark.parametrize("stage", ["preflight", "diagnostic"])
-def test_existing_evidence_dir_in_the_space_form_collects_as_the_first_run(stage, tmp_path):
+def test_existing_evidence_dir_in_the_space_form_collects_as_the_first_run(stage, tmp_path, first_run):
     evidence = tmp_path / "ev"
-    rc, first, out = _collect(["-m", stage, "--evidence-dir", str(evidence)])  # DIR does not exist yet
-    assert rc == 0 and first, out[-3000:]
-    evidence.mkdir(exist_ok=True)  # what the first real run leaves behind
+    evidence.mkdir()  # what the first real run leaves behind
     rc, again, out = _collect(["-m", stage, "--evidence-dir", str(evidence)])
-    assert rc == 0 and again == first, out[-3000:]
+    assert rc == 0 and again == first_run(stage), out[-3000:]
 
 
-def test_existing_evidence_dir_from_another_directory_collects_as_from_the_root(tmp_path):
+def test_existing_evidence_dir_from_another_directory_collects_as_from_the_root(tmp_path, first_run):
     """From another directory the project is named as the test path; DIR exists from the first run."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     evidence = tmp_path / "ev"
-    rc, from_root, out = _collect(["-m", "preflight", f"--evidence-dir={evidence}"])
-    assert rc == 0 and from_root, out[-3000:]
+    from_root = first_run("preflight")
     for _ in range(2):  # the second time DIR exists
         rc, got, out = _collect([str(ROOT), "-m", "preflight", "--evidence-dir", str(evidence)], cwd=elsewhere)
         evidence.mkdir(exist_ok=True)
