@@ -51,7 +51,7 @@ def test_real_model_inactive_keeps_legitimate_regime_and_more_epochs():
 
 
 def test_code_defect_on_a_stand_in_stays_a_defect():
-    records = simulate_records(seed=1)
+    records = simulate_records(seed=1, drift_per_update=0.0)  # on-policy: inactive at any delta
     state = RunState(None, records=records, updates_done=len(records))
     selftest = deterministic_selftest()
     selftest["passed"] = False
