@@ -28,11 +28,18 @@ LONGEST_FIRST = (
     "test_comparison_kill_resume.py",
     "test_comparison_resume.py",
     "test_launch_scope.py",
-    "test_engine_parity.py",
+    "test_second_runs.py",
+    "test_server_death.py",
     "test_diagnostic_overflow.py",
+    "test_service_waits.py",
+    "test_must_fire.py",
+    "test_local_server_spindle.py",
+    "test_local_server_faults.py",
+    "test_optional_fields_local.py",
+    "test_stop_leaves_nothing.py",
+    "test_restoration_failures.py",
     "test_comparison_lost_arm.py",
-    "test_comparison_stops_local.py",
-    "test_local_server_sdk.py",
+    "test_engine_parity.py",
 )
 
 

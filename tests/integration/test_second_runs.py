@@ -51,12 +51,12 @@ def first_run(tmp_path_factory):
     return of
 
 
-@pytest.mark.parametrize("stage", ["preflight", "diagnostic"])
-def test_existing_evidence_dir_in_the_space_form_collects_as_the_first_run(stage, tmp_path, first_run):
+def test_existing_evidence_dir_in_the_space_form_collects_as_the_first_run(tmp_path, first_run):
+    """One stage stands for all: the rootdir and config are picked before any marker is read."""
     evidence = tmp_path / "ev"
     evidence.mkdir()  # what the first real run leaves behind
-    rc, again, out = _collect(["-m", stage, "--evidence-dir", str(evidence)])
-    assert rc == 0 and again == first_run(stage), out[-3000:]
+    rc, again, out = _collect(["-m", "preflight", "--evidence-dir", str(evidence)])
+    assert rc == 0 and again == first_run("preflight"), out[-3000:]
 
 
 def test_existing_evidence_dir_from_another_directory_collects_as_from_the_root(tmp_path, first_run):
@@ -64,13 +64,12 @@ def test_existing_evidence_dir_from_another_directory_collects_as_from_the_root(
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     evidence = tmp_path / "ev"
+    evidence.mkdir()  # a missing DIR is never taken for a test path: the existing one is the case
+    rc, got, out = _collect([str(ROOT), "-m", "preflight", "--evidence-dir", str(evidence)], cwd=elsewhere)
+    assert rc == 0 and got, out[-3000:]
+    # node ids are relative to the rootdir, which must be the project's
     from_root = first_run("preflight")
-    for _ in range(2):  # the second time DIR exists
-        rc, got, out = _collect([str(ROOT), "-m", "preflight", "--evidence-dir", str(evidence)], cwd=elsewhere)
-        evidence.mkdir(exist_ok=True)
-        assert rc == 0 and got, out[-3000:]
-        # node ids are relative to the rootdir, which must be the project's in both cases
-        assert got == from_root, (got[:3], from_root[:3])
+    assert got == from_root, (got[:3], from_root[:3])
 
 
 def test_plan_copied_outside_the_project_collects_as_the_project_plan(tmp_path):
