@@ -53,7 +53,7 @@ def build_parser(description: str | None = __doc__) -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="tiny preset to serve (default: the engine's default)")
     p.add_argument("--run-dir", default=None, help="checkpoints and logs (default: a new temp dir)")
     p.add_argument("--exit-with-parent", type=int, metavar="PID", help="exit once PID is no longer the parent")
-    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads of the engine (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the engine (default 1)")
     g = p.add_argument_group("Spindle's capacity and sweep (--profile spindle only)")
     g.add_argument("--cold-start-s", type=float, metavar="N", help="the first creation pends N s (default 0)")
     g.add_argument(

@@ -141,7 +141,7 @@ class Engine:
         seed: int = 0,
         *,
         batch_window_s: float = 0.05,
-        num_threads: int = 2,
+        num_threads: int = 1,
         token_budget: int | None = None,
         retain_forward: bool = True,
     ):
