@@ -40,8 +40,7 @@ def frozen_evaluator(plan: Plan, bundle: EvidenceBundle, *, embedded: bool) -> e
     """The comparison's evaluator, frozen before training: the first `run.eval_items` test items
     (all 1319 for the spec), greedy, max_tokens as sampled in training. A subset is a deviation,
     with the reason the plan gives (`eval_subset_reason`)."""
-    assert plan.run is not None
-    run = plan.run
+    run = plan.spec_run
     test = dataset.get(run.dataset).load_split("test")
     n = None if run.eval_items == len(test) else run.eval_items
     reason = eval_subset_reason(plan, embedded=embedded, n=run.eval_items) if n else None

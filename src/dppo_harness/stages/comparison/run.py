@@ -648,8 +648,7 @@ def _final(
 ) -> JsonObject:
     """The result's `final`, at most two plain sentences (the details are in report.md): a run that
     stopped before every arm finished failed with nothing compared; a finished one has the verdict."""
-    assert plan.run is not None
-    run = plan.run
+    run = plan.spec_run
     if stopped is not None or decision is None:
         final: JsonObject = {
             "status": "failed",
