@@ -30,6 +30,7 @@ from dppo_harness.evidence.files import (
     LimitError,
     ResultShapeError,
     UnwritableEvidenceError,
+    append_durably,
     atomic_write,
     dump_json,
     json_file_bytes,
@@ -96,6 +97,10 @@ class EvidenceBundle:
     # -- reading
 
     @property
+    def lock(self) -> threading.RLock:
+        return self._lock
+
+    @property
     def result(self) -> dict[str, Any]:
         with self._lock:
             return copy.deepcopy(self._result)
@@ -149,11 +154,11 @@ class EvidenceBundle:
             return
         self._result = state
 
-    def _write(self, path: Path, data: bytes) -> None:
-        """atomic_write, a refusal (disk full, read-only, permission) as one line; the run then fails:
-        result.json is closed failed now if it can be written, else at the next write that lands."""
+    def _write(self, path: Path, data: bytes, write: Callable[[Path, bytes], None] = atomic_write) -> None:
+        """atomic_write (or `write`), a refusal (disk full, read-only, permission) as one line; the run
+        then fails: result.json is closed failed now if it can be written, else at the next write that lands."""
         try:
-            atomic_write(path, data)
+            write(path, data)
         except OSError as exc:
             line = unwritable_line(path, exc)
             if self.unwritable is None:
@@ -193,6 +198,13 @@ class EvidenceBundle:
         with self._lock:
             self._write(path, bytes(data))
         return path
+
+    def append_beside(self, name: str, data: bytes) -> None:
+        """Append to a sidecar beside the bundle (the journal), scanned first and fsynced before this
+        returns, through the same refusal as every evidence write."""
+        with self._lock:
+            self._scan(data, f"{name} (beside the bundle)")
+            self._write(self.dir / name, bytes(data), append_durably)
 
     def reserve_closing(self) -> None:
         """Keep a file slot for each closing record, one for the last stage-end snapshot, and

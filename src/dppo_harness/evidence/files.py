@@ -173,6 +173,14 @@ def atomic_write(path: Path, data: bytes) -> None:
             tmp.unlink()
 
 
+def append_durably(path: Path, data: bytes) -> None:
+    """Append `data` and fsync before returning (a kill leaves at most a torn tail)."""
+    with open(path, "ab") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def dump_json(obj: object) -> bytes:
     return (json.dumps(obj, indent=2, allow_nan=False, ensure_ascii=False) + "\n").encode("utf-8")
 
