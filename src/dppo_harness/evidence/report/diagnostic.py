@@ -1,8 +1,5 @@
-"""`report.md` for the bounded diagnostic, with its plots.
-
-Everything is rendered from the analysis JSON the diagnostic registered (`diagnostic-analysis.json`)
-so the report says exactly what the evidence says; nothing is re-measured here.
-"""
+"""`report.md` for the bounded diagnostic, with its plots, rendered from the analysis JSON the diagnostic
+registered (`diagnostic-analysis.json`) so it says exactly what the evidence says: nothing is re-measured."""
 
 from __future__ import annotations
 

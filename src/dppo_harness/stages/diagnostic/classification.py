@@ -113,8 +113,8 @@ class Classification:
     stand_in: bool
 
 
-def _pooled_line(calls: JsonValue, p: LossStats, delta: float) -> str:
-    """The pooled second-epoch counts and drift, in one sentence."""
+def _pooled_line(calls: int, p: LossStats, delta: float) -> str:
+    """The pooled second-epoch counts and drift (`calls` loss calls pooled), in one sentence."""
     return (
         f"Second epoch, {calls} loss calls, {p.tokens_loss} loss tokens "
         f"(A>0 {p.tokens_pos_adv}, A<0 {p.tokens_neg_adv}, A=0 {p.tokens_zero_adv}): "
@@ -178,12 +178,10 @@ def classify(
     state = "active" if active else ("partially_active" if fired else "inactive")
     # What was measured: pooled values, a short second epoch, and the sentinels.
     lines: list[str] = []
-    if pooled and p:
-        lines.append(_pooled_line(pooled["calls"], p, delta))
-    planned_second = (
-        max(0, min(updates_planned, 2 * minibatches_per_epoch) - minibatches_per_epoch) if updates_planned else 0
-    )
-    if pooled and planned_second and second_epoch_calls < planned_second:
+    if p is not None:
+        lines.append(_pooled_line(second_epoch_calls, p, delta))
+    planned_second = max(0, min(updates_planned, 2 * minibatches_per_epoch) - minibatches_per_epoch)
+    if p is not None and planned_second and second_epoch_calls < planned_second:
         lines.append(
             f"Only {second_epoch_calls} of {planned_second} planned second-epoch loss calls ran "
             f"(stopped: {stop_reason}); the pooled values cover those calls only."
@@ -214,7 +212,7 @@ def classify(
         )
         cause = "missing_evidence"
     else:
-        if p and p.tokens_nonzero_adv == 0:
+        if p is not None and p.tokens_nonzero_adv == 0:
             lines.append(
                 "No second-epoch loss token has a nonzero advantage (every group's rewards were constant), "
                 "so there is no policy-gradient signal to move the policy and nothing the mask could remove."
@@ -344,16 +342,13 @@ class CriterionResult:
     bounds: BoundsJson
 
 
-_APPLIES_WHEN = {"A > 0": "tokens_pos_adv", "A < 0": "tokens_neg_adv"}  # LossStats fields
-
-
 def _applies(criterion: AnalysisCriterion, pooled: LossStats) -> bool:
     cond = criterion.applies_when
     if cond is None:
         return True
-    for needle, attr in _APPLIES_WHEN.items():
+    for needle, tokens in (("A > 0", pooled.tokens_pos_adv), ("A < 0", pooled.tokens_neg_adv)):
         if needle in cond:
-            return bool(getattr(pooled, attr) > 0)
+            return tokens > 0
     raise DiagnosticError(f"analysis.criteria[{criterion.id}].applies_when: cannot interpret {cond!r}")
 
 
@@ -374,20 +369,15 @@ def evaluate_criteria(criteria: Sequence[AnalysisCriterion], pooled: JsonMap) ->
                 f"analysis.criteria[{c.id}]: pooling {c.pooling!r} of {c.metric!r} is not implemented"
             )
         bounds = Bounds.of(c)
-        x = pooled.get(c.metric)  # the pooled metrics criteria may name are numbers; anything else is not measured
-        declared, value = bounds.as_json(), (x if x is None or isinstance(x, (int, float, str)) else None)
+        value = stats[c.metric]  # a scalar statistic, or None: not measured
+        passed: bool | None
+        applies, passed, reason = True, False, "missing: not measured"
         if not _applies(c, stats):
-            out.append(
-                CriterionResult(
-                    c.id, c.metric, value, False, None, f"does not apply: {c.applies_when} is false", declared
-                )
-            )
-            continue
-        if not is_number(value):
-            out.append(CriterionResult(c.id, c.metric, value, True, False, "missing: not measured", declared))
-            continue
-        problems = bounds.problems(value)
-        out.append(CriterionResult(c.id, c.metric, value, True, not problems, "; ".join(problems) or "met", declared))
+            applies, passed, reason = False, None, f"does not apply: {c.applies_when} is false"
+        elif is_number(value):
+            problems = bounds.problems(value)
+            passed, reason = not problems, "; ".join(problems) or "met"
+        out.append(CriterionResult(c.id, c.metric, value, applies, passed, reason, bounds.as_json()))
     return out
 
 
