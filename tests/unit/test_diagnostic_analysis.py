@@ -10,6 +10,7 @@ from dppo_harness.evidence.backend import ServedModel
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import pool_calls
 from dppo_harness.loss.losses import LossConfig, make_loss_fn
+from dppo_harness.loss.terms import LossStats
 from dppo_harness.plans import PlanError, load_plan
 from dppo_harness.plans.models import AnalysisCriterion
 from dppo_harness.stages.diagnostic.classification import (
@@ -154,7 +155,7 @@ def test_pooling_weights_by_loss_tokens_not_by_call():
 
 
 def test_criteria_respect_applies_when_and_reject_unknown_pooling():
-    pooled = {
+    pooled = dict.fromkeys(LossStats.scalar_names(), 0) | {
         "tokens/pos_adv": 10,
         "tokens/neg_adv": 0,
         "dppo/removed_pos_adv": 3,

@@ -1,20 +1,27 @@
-"""`report.md` for the bounded diagnostic, with its plots.
-
-Everything is rendered from the analysis JSON the diagnostic registered (`diagnostic-analysis.json`)
-so the report says exactly what the evidence says; nothing is re-measured here.
-"""
+"""`report.md` for the bounded diagnostic, with its plots, rendered from the analysis JSON the diagnostic
+registered (`diagnostic-analysis.json`) so it says exactly what the evidence says: nothing is re-measured."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from dppo_harness.evidence.report.plots import PLOTS, make_plots
 from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt
-from dppo_harness.json_types import JsonMap, items, num, obj, objs
+from dppo_harness.json_types import JsonMap, items, obj, objs
+from dppo_harness.loss.terms import HIST_SIGNS, LossStats
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
+
+RECORDED_NAME = {f.name: f.metadata["name"] for f in dataclasses.fields(LossStats)}  # field -> key it is written as
+
+
+def row_stats(row: JsonMap) -> LossStats:
+    """A statistics block written by recorded name (a per-update row, the pooled second epoch; they
+    keep no histogram edges or dtype), typed once so it is read by field."""
+    return LossStats.from_recorded({**row, "hist": {k: [] for k in HIST_SIGNS}, "decision_dtype": ""}, ())
 
 
 def _cause_status(c: JsonMap) -> str:
@@ -32,7 +39,7 @@ def _cause_status(c: JsonMap) -> str:
 def _headline_lines(analysis: JsonMap, backend: str) -> list[str]:
     c = obj(analysis["classification"])
     rows = objs(analysis.get("per_update") or [])
-    fired = c["mask_fired"] or any(num(r.get("dppo/removed") or 0) > 0 for r in rows)
+    fired = c["mask_fired"] or any(row_stats(r).dppo_removed > 0 for r in rows)
     return [
         "# Bounded DPPO activation diagnostic",
         "",
@@ -76,7 +83,7 @@ def _run_lines(analysis: JsonMap) -> list[str]:
 
 def _criteria_lines(analysis: JsonMap) -> list[str]:
     """The fixed criteria table and the pooled second epoch they were judged on."""
-    pooled = obj(analysis["pooled_second_epoch"]) if analysis.get("pooled_second_epoch") else None
+    block = obj(analysis["pooled_second_epoch"]) if analysis.get("pooled_second_epoch") else None
     lines = [
         "",
         "## Fixed criteria (all second-epoch loss calls, pooled by loss-token counts)",
@@ -89,13 +96,13 @@ def _criteria_lines(analysis: JsonMap) -> list[str]:
             "n/a (does not apply)" if cr["passed"] is None else ("met" if cr["passed"] else f"NOT met: {cr['reason']}")
         )
         lines.append(f"| {cr['id']} | `{cr['metric']}` | {fmt(cr['value'])} | {cr['bounds']} | {res} |")
-    if pooled:
+    if block:
+        p = row_stats(block)
         lines += [
             "",
-            f"Pooled second epoch: {pooled['calls']} calls, {pooled['tokens/loss']} loss tokens "
-            f"({pooled['tokens/nonzero_adv']} with A != 0); exceedances +{pooled['dppo/exceed_pos']} / "
-            f"-{pooled['dppo/exceed_neg']}; ratio-cap hits {pooled['dppo/ratio_cap_hits']}; masked fraction over "
-            f"A != 0 tokens {fmt(pooled['dppo/masked_frac_nonzero_adv'])}.",
+            f"Pooled second epoch: {block['calls']} calls, {p.tokens_loss} loss tokens ({p.tokens_nonzero_adv} "
+            f"with A != 0); exceedances +{p.dppo_exceed_pos} / -{p.dppo_exceed_neg}; ratio-cap hits "
+            f"{p.dppo_ratio_cap_hits}; masked fraction over A != 0 tokens {fmt(p.dppo_masked_frac_nonzero_adv)}.",
         ]
     return lines
 
@@ -109,13 +116,13 @@ def _per_update_lines(rows: Sequence[JsonMap]) -> list[str]:
         "PPO clipped | abs(p-q) q90 | abs(p-q) p99 | abs(p-q) max | max p-q on A>0 | min p-q on A<0 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in rows:
+    for r, s in ((r, row_stats(r)) for r in rows):
         lines.append(
-            f"| {r['update_index']} | {r.get('epoch')} | {r.get('minibatch')} | {r['tokens/loss']} | {r['tokens/nonzero_adv']} | "
-            f"{r['dppo/removed']} ({r['dppo/removed_pos_adv']}/{r['dppo/removed_neg_adv']}) | {fmt(r['dppo/masked_frac_loss_tokens'])} | "
-            f"{r['dppo/exceed_pos']}/{r['dppo/exceed_neg']} | {r['dppo/ratio_cap_hits']} | {r['ppo/clipped']} | "
-            f"{fmt(r['drift/abs_p90'])} | {fmt(r['drift/abs_p99'])} | {fmt(r['drift/abs_max'])} | "
-            f"{fmt(r['drift/max_on_pos_adv'])} | {fmt(r['drift/min_on_neg_adv'])} |"
+            f"| {r['update_index']} | {r.get('epoch')} | {r.get('minibatch')} | {s.tokens_loss} | {s.tokens_nonzero_adv} | "
+            f"{s.dppo_removed} ({s.dppo_removed_pos_adv}/{s.dppo_removed_neg_adv}) | {fmt(s.dppo_masked_frac_loss_tokens)} | "
+            f"{s.dppo_exceed_pos}/{s.dppo_exceed_neg} | {s.dppo_ratio_cap_hits} | {s.ppo_clipped} | "
+            f"{fmt(s.drift_abs_p90)} | {fmt(s.drift_abs_p99)} | {fmt(s.drift_abs_max)} | "
+            f"{fmt(s.drift_max_on_pos_adv)} | {fmt(s.drift_min_on_neg_adv)} |"
         )
     return lines
 

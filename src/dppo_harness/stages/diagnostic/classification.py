@@ -21,6 +21,8 @@ import torch
 from pydantic import JsonValue
 
 from dppo_harness.evidence.backend import ServedModel
+from dppo_harness.evidence.report.diagnostic import RECORDED_NAME, row_stats
+from dppo_harness.evidence.report.text import fmt
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import POOLED_QUANTILES, RATIO_PARTS
 from dppo_harness.json_types import JsonMap, JsonObject, items, num
@@ -42,10 +44,6 @@ CAUSES = (
     "legitimate_inactive_regime",
     "missing_evidence",
 )
-
-
-def _fmt(x: JsonValue, spec: str = ".4g") -> str:
-    return "n/a" if x is None else format(x, spec)
 
 
 def pinned_variant_problems(cfg: losses.LossConfig) -> list[str]:
@@ -115,30 +113,30 @@ class Classification:
     stand_in: bool
 
 
-def _pooled_line(pooled: Mapping[str, JsonValue], delta: float) -> str:
-    """The pooled second-epoch counts and drift, in one sentence."""
+def _pooled_line(calls: int, p: LossStats, delta: float) -> str:
+    """The pooled second-epoch counts and drift (`calls` loss calls pooled), in one sentence."""
     return (
-        f"Second epoch, {pooled['calls']} loss calls, {pooled['tokens/loss']} loss tokens "
-        f"(A>0 {pooled['tokens/pos_adv']}, A<0 {pooled['tokens/neg_adv']}, A=0 {pooled['tokens/zero_adv']}): "
-        f"removed {pooled['dppo/removed']} (A>0 {pooled['dppo/removed_pos_adv']}, A<0 {pooled['dppo/removed_neg_adv']}), "
-        f"masked fraction {_fmt(pooled['dppo/masked_frac_loss_tokens'])} of loss tokens; "
-        f"largest p-q on an A>0 token {_fmt(pooled['drift/max_on_pos_adv'])} vs +delta {delta}, "
-        f"smallest p-q on an A<0 token {_fmt(pooled['drift/min_on_neg_adv'])} vs -delta {-delta}; "
-        f"exceedances +{pooled['dppo/exceed_pos']} / -{pooled['dppo/exceed_neg']}; "
-        f"pooled |p-q| q90 {_fmt(pooled['drift/abs_p90'])}, p99 {_fmt(pooled['drift/abs_p99'])}, max {_fmt(pooled['drift/abs_max'])}; "
-        f"counterfactual PPO clip fraction {_fmt(pooled['ppo/clip_frac_loss_tokens'])}."
+        f"Second epoch, {calls} loss calls, {p.tokens_loss} loss tokens "
+        f"(A>0 {p.tokens_pos_adv}, A<0 {p.tokens_neg_adv}, A=0 {p.tokens_zero_adv}): "
+        f"removed {p.dppo_removed} (A>0 {p.dppo_removed_pos_adv}, A<0 {p.dppo_removed_neg_adv}), "
+        f"masked fraction {fmt(p.dppo_masked_frac_loss_tokens)} of loss tokens; "
+        f"largest p-q on an A>0 token {fmt(p.drift_max_on_pos_adv)} vs +delta {delta}, "
+        f"smallest p-q on an A<0 token {fmt(p.drift_min_on_neg_adv)} vs -delta {-delta}; "
+        f"exceedances +{p.dppo_exceed_pos} / -{p.dppo_exceed_neg}; "
+        f"pooled |p-q| q90 {fmt(p.drift_abs_p90)}, p99 {fmt(p.drift_abs_p99)}, max {fmt(p.drift_abs_max)}; "
+        f"counterfactual PPO clip fraction {fmt(p.ppo_clip_frac_loss_tokens)}."
     )
 
 
 def _sentinel_line(init: Mapping[str, Any], last: SentinelPoint | None) -> str:
     """Trainer-vs-sampler drift on the sentinels at initialization and after the last measurement."""
     return (
-        f"Sentinels ({init['tokens']} tokens): trainer-vs-sampler |p-q| q90 {_fmt(init['p_minus_q']['abs_p90'])} "
-        f"(max {_fmt(init['p_minus_q']['abs_max'])}) at initialization"
+        f"Sentinels ({init['tokens']} tokens): trainer-vs-sampler |p-q| q90 {fmt(init['p_minus_q']['abs_p90'])} "
+        f"(max {fmt(init['p_minus_q']['abs_max'])}) at initialization"
         + (
-            f"; after update {last['after_update']}: |p-q| q90 {_fmt(last['summary']['p_minus_q']['abs_p90'])}, "
-            f"optimizer drift |p-p_init| q90 {_fmt(last['summary']['p_minus_p_init']['abs_p90'])} "
-            f"(max {_fmt(last['summary']['p_minus_p_init']['abs_max'])})."
+            f"; after update {last['after_update']}: |p-q| q90 {fmt(last['summary']['p_minus_q']['abs_p90'])}, "
+            f"optimizer drift |p-p_init| q90 {fmt(last['summary']['p_minus_p_init']['abs_p90'])} "
+            f"(max {fmt(last['summary']['p_minus_p_init']['abs_max'])})."
             if last
             else "."
         )
@@ -175,17 +173,15 @@ def classify(
     )
     applicable = [c for c in criteria if c.applies]
     active = bool(applicable) and all(c.passed for c in applicable) and not integrity_problems and not variant_problems
-    removed = pooled.get("dppo/removed", 0) if pooled else 0
-    fired = bool(pooled) and isinstance(removed, (int, float)) and removed > 0
+    p = row_stats(pooled) if pooled else None
+    fired = p is not None and p.dppo_removed > 0
     state = "active" if active else ("partially_active" if fired else "inactive")
     # What was measured: pooled values, a short second epoch, and the sentinels.
     lines: list[str] = []
-    if pooled:
-        lines.append(_pooled_line(pooled, delta))
-    planned_second = (
-        max(0, min(updates_planned, 2 * minibatches_per_epoch) - minibatches_per_epoch) if updates_planned else 0
-    )
-    if pooled and planned_second and second_epoch_calls < planned_second:
+    if p is not None:
+        lines.append(_pooled_line(second_epoch_calls, p, delta))
+    planned_second = max(0, min(updates_planned, 2 * minibatches_per_epoch) - minibatches_per_epoch)
+    if p is not None and planned_second and second_epoch_calls < planned_second:
         lines.append(
             f"Only {second_epoch_calls} of {planned_second} planned second-epoch loss calls ran "
             f"(stopped: {stop_reason}); the pooled values cover those calls only."
@@ -216,7 +212,7 @@ def classify(
         )
         cause = "missing_evidence"
     else:
-        if pooled and pooled.get("tokens/nonzero_adv", 0) == 0:
+        if p is not None and p.tokens_nonzero_adv == 0:
             lines.append(
                 "No second-epoch loss token has a nonzero advantage (every group's rewards were constant), "
                 "so there is no policy-gradient signal to move the policy and nothing the mask could remove."
@@ -346,16 +342,13 @@ class CriterionResult:
     bounds: BoundsJson
 
 
-_APPLIES_WHEN = {"A > 0": "tokens/pos_adv", "A < 0": "tokens/neg_adv"}
-
-
-def _applies(criterion: AnalysisCriterion, pooled: JsonMap) -> bool:
+def _applies(criterion: AnalysisCriterion, pooled: LossStats) -> bool:
     cond = criterion.applies_when
     if cond is None:
         return True
-    for needle, key in _APPLIES_WHEN.items():
+    for needle, tokens in (("A > 0", pooled.tokens_pos_adv), ("A < 0", pooled.tokens_neg_adv)):
         if needle in cond:
-            return num(pooled.get(key, 0)) > 0
+            return tokens > 0
     raise DiagnosticError(f"analysis.criteria[{criterion.id}].applies_when: cannot interpret {cond!r}")
 
 
@@ -369,27 +362,22 @@ _POOLING_OK = {
 def evaluate_criteria(criteria: Sequence[AnalysisCriterion], pooled: JsonMap) -> list[CriterionResult]:
     """The plan's fixed criteria on pooled values (the rule shared with the gate's checks,
     `checks.Bounds`); nothing is tuned, relaxed or selected here."""
-    out = []
+    out, stats = [], row_stats(pooled)
     for c in criteria:
         if c.metric not in _POOLING_OK.get(c.pooling, set()):
             raise DiagnosticError(
                 f"analysis.criteria[{c.id}]: pooling {c.pooling!r} of {c.metric!r} is not implemented"
             )
         bounds = Bounds.of(c)
-        x = pooled.get(c.metric)  # the pooled metrics criteria may name are numbers; anything else is not measured
-        declared, value = bounds.as_json(), (x if x is None or isinstance(x, (int, float, str)) else None)
-        if not _applies(c, pooled):
-            out.append(
-                CriterionResult(
-                    c.id, c.metric, value, False, None, f"does not apply: {c.applies_when} is false", declared
-                )
-            )
-            continue
-        if not is_number(value):
-            out.append(CriterionResult(c.id, c.metric, value, True, False, "missing: not measured", declared))
-            continue
-        problems = bounds.problems(value)
-        out.append(CriterionResult(c.id, c.metric, value, True, not problems, "; ".join(problems) or "met", declared))
+        value = stats[c.metric]  # a scalar statistic, or None: not measured
+        passed: bool | None
+        applies, passed, reason = True, False, "missing: not measured"
+        if not _applies(c, stats):
+            applies, passed, reason = False, None, f"does not apply: {c.applies_when} is false"
+        elif is_number(value):
+            problems = bounds.problems(value)
+            passed, reason = not problems, "; ".join(problems) or "met"
+        out.append(CriterionResult(c.id, c.metric, value, applies, passed, reason, bounds.as_json()))
     return out
 
 
@@ -521,18 +509,19 @@ def selftest_cases(delta: float) -> dict[str, SelftestRows]:
     }
 
 
-# Further recorded/reported counts a case must show (cap hits and counterfactual clips).
+# Further counts a case must show (cap hits and counterfactual clips), by LossStats field.
 SELFTEST_EXTRA: dict[str, dict[str, int]] = {
-    "padding_is_not_engagement": {"dppo/ratio_cap_hits": 0, "ppo/clipped": 0, "tokens/loss": 0},
-    "ratio_cap_hit_on_kept_token": {"dppo/ratio_cap_hits": 1, "ppo/clipped": 1},
-    "ratio_cap_not_counted_on_dropped_token": {"dppo/ratio_cap_hits": 0},
-    "ppo_clip_pos_side": {"ppo/clipped": 1, "ppo/clipped_pos_adv": 1, "ppo/clipped_neg_adv": 0},
-    "ppo_clip_neg_side": {"ppo/clipped": 1, "ppo/clipped_pos_adv": 0, "ppo/clipped_neg_adv": 1},
-    "boundary_exact_plus_delta_kept": {"dppo/exceed_pos": 0},
-    "boundary_one_ulp_above_plus_delta_removed": {"dppo/exceed_pos": 1},
-    "boundary_exact_minus_delta_kept": {"dppo/exceed_neg": 0},
-    "boundary_one_ulp_below_minus_delta_removed": {"dppo/exceed_neg": 1},
+    "padding_is_not_engagement": {"dppo_ratio_cap_hits": 0, "ppo_clipped": 0, "tokens_loss": 0},
+    "ratio_cap_hit_on_kept_token": {"dppo_ratio_cap_hits": 1, "ppo_clipped": 1},
+    "ratio_cap_not_counted_on_dropped_token": {"dppo_ratio_cap_hits": 0},
+    "ppo_clip_pos_side": {"ppo_clipped": 1, "ppo_clipped_pos_adv": 1, "ppo_clipped_neg_adv": 0},
+    "ppo_clip_neg_side": {"ppo_clipped": 1, "ppo_clipped_pos_adv": 0, "ppo_clipped_neg_adv": 1},
+    "boundary_exact_plus_delta_kept": {"dppo_exceed_pos": 0},
+    "boundary_one_ulp_above_plus_delta_removed": {"dppo_exceed_pos": 1},
+    "boundary_exact_minus_delta_kept": {"dppo_exceed_neg": 0},
+    "boundary_one_ulp_below_minus_delta_removed": {"dppo_exceed_neg": 1},
 }
+_SELFTEST_COUNTS = ("dppo_removed_pos_adv", "dppo_removed_neg_adv", "dppo_mask_zero_adv")  # a case's expected triple
 
 
 def deterministic_selftest(
@@ -551,10 +540,8 @@ def deterministic_selftest(
         loss, metrics = rec.wrap(factory(cfg))(data, lps)
         loss.backward()
         s = rec.records[0].stats
-        got = (s["dppo/removed_pos_adv"], s["dppo/removed_neg_adv"], s["dppo/mask_zero_adv"])
-        reported = tuple(
-            int(metrics.get(k, -1)) for k in ("dppo/removed_pos_adv", "dppo/removed_neg_adv", "dppo/mask_zero_adv")
-        )
+        got = tuple(getattr(s, k) for k in _SELFTEST_COUNTS)
+        reported = tuple(int(metrics.get(RECORDED_NAME[k], -1)) for k in _SELFTEST_COUNTS)
         grads = [float(lp.grad[-1]) if lp.grad is not None else math.nan for lp in lps]
         prompt_grads_zero = all(lp.grad is not None and float(lp.grad[:2].abs().sum()) == 0.0 for lp in lps)
         grad_ok = all((g == 0.0) if z else (g != 0.0 and math.isfinite(g)) for g, z in zip(grads, zero_grad))
@@ -567,16 +554,17 @@ def deterministic_selftest(
             problems.append(f"response-token gradients {grads} (zero expected: {list(zero_grad)})")
         if not prompt_grads_zero:
             problems.append("prompt positions received a gradient")
-        for key, want in SELFTEST_EXTRA.get(name, {}).items():
-            if s.get(key) != want:
-                problems.append(f"recorded {key}={s.get(key)} != expected {want}")
+        extra = {RECORDED_NAME[k]: (getattr(s, k), want) for k, want in SELFTEST_EXTRA.get(name, {}).items()}
+        for key, (value, want) in extra.items():
+            if value != want:
+                problems.append(f"recorded {key}={value} != expected {want}")
             if key in metrics and int(metrics[key]) != want:
                 problems.append(f"loss reported {key}={metrics[key]} != expected {want}")
         cases[name] = {
             "expected": list(expected),
             "recorded": list(got),
             "loss_reported": list(reported),
-            "expected_counts": SELFTEST_EXTRA.get(name, {}),
+            "expected_counts": {key: want for key, (_, want) in extra.items()},
             "grads": grads,
             "passed": not problems,
             "problems": problems,

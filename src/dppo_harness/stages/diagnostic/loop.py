@@ -445,7 +445,7 @@ def _train_epochs(
             if state.own_check["mismatches"]:  # a mismatch stops the run
                 stop = "optimizer mismatch after update 1: " + "; ".join(state.own_check["mismatches"])
                 state.errors.append(stop)
-        tokens_seen += rec.stats["tokens/loss"]
+        tokens_seen += rec.stats.tokens_loss
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)
         t_snapshot = clock()
@@ -454,9 +454,9 @@ def _train_epochs(
         s = rec.stats
         say(
             f"[diagnostic] update {update_index}/{max_updates} (epoch {epoch}, minibatch {mb.index}): "
-            f"{s['tokens/loss']} loss tokens (total {tokens_seen}), removed {s['dppo/removed']} "
-            f"(+{s['dppo/removed_pos_adv']}/-{s['dppo/removed_neg_adv']}), |p-q| q90 {s['drift/abs_p90']:.4g} "
-            f"max {s['drift/abs_max']:.4g}, clip {s['ppo/clipped']}; {last_update_s:.1f}s/update, "
+            f"{s.tokens_loss} loss tokens (total {tokens_seen}), removed {s.dppo_removed} "
+            f"(+{s.dppo_removed_pos_adv}/-{s.dppo_removed_neg_adv}), |p-q| q90 {s.drift_abs_p90:.4g} "
+            f"max {s.drift_abs_max:.4g}, clip {s.ppo_clipped}; {last_update_s:.1f}s/update, "
             f"elapsed {elapsed():.0f}s / {cap_s:.0f}s"
         )
         if stop is not None:

@@ -21,6 +21,7 @@ from pydantic import JsonValue
 from dppo_harness.evidence import budget, report
 from dppo_harness.evidence.backend import ServedModel, served_name
 from dppo_harness.evidence.files import MAX_FILE_BYTES
+from dppo_harness.evidence.report.diagnostic import RECORDED_NAME, row_stats
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, pool_calls
@@ -113,26 +114,27 @@ class DiagnosticResult:
             "diagnostic/selftest_passed": 1.0 if self.selftest.get("passed") else 0.0,
         }
         if self.pooled:
-            for k in (
-                "dppo/masked_frac_loss_tokens",
-                "dppo/masked_frac_nonzero_adv",
-                "ppo/clip_frac_loss_tokens",
-                "drift/abs_p90",
-                "drift/abs_p99",
-                "drift/abs_max",
-                "tokens/loss",
-                "tokens/nonzero_adv",
-                "dppo/removed",
-                "dppo/removed_pos_adv",
-                "dppo/removed_neg_adv",
-                "dppo/exceed_pos",
-                "dppo/exceed_neg",
-                "dppo/ratio_cap_hits",
-                "ppo/clipped",
+            pooled = row_stats(self.pooled)
+            for k in (  # LossStats fields, under their recorded names in result.json
+                "dppo_masked_frac_loss_tokens",
+                "dppo_masked_frac_nonzero_adv",
+                "ppo_clip_frac_loss_tokens",
+                "drift_abs_p90",
+                "drift_abs_p99",
+                "drift_abs_max",
+                "tokens_loss",
+                "tokens_nonzero_adv",
+                "dppo_removed",
+                "dppo_removed_pos_adv",
+                "dppo_removed_neg_adv",
+                "dppo_exceed_pos",
+                "dppo_exceed_neg",
+                "dppo_ratio_cap_hits",
+                "ppo_clipped",
             ):
-                v = self.pooled.get(k)
+                v = getattr(pooled, k)
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    metrics[f"diagnostic/epoch2_pooled/{k}"] = float(v)
+                    metrics[f"diagnostic/epoch2_pooled/{RECORDED_NAME[k]}"] = float(v)
         if y := self.state.rollout_yield:  # the frozen batch's truncation and answer yield
             metrics |= {f"diagnostic/rollout_{k}": float(y[k]) for k in ("truncated_frac", "no_answer_frac")}
             metrics["diagnostic/rollout_mean_response_tokens"] = float(y["mean_response_tokens"])
