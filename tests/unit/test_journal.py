@@ -48,3 +48,11 @@ def test_a_reference_to_a_journal_entry_verifies_when_the_entry_exists(tmp_path:
         f"initialization_provenance.dppo.initial_output.evidence_ref: references '{JOURNAL_FILE}#2', "
         "which is not a journal entry"
     ]
+
+
+def test_two_journal_objects_of_one_bundle_keep_one_sequence(tmp_path: Path) -> None:
+    b = EvidenceBundle.create(tmp_path, "run", env={})
+    other = Journal(b)  # a stage that opens its own: the bundle's appends and its own interleave
+    refs = [j.append("gate", "row", str(i)).ref for i, j in enumerate((b.journal, other, b.journal, other))]
+    assert refs == [f"{JOURNAL_FILE}#{i}" for i in range(1, 5)]
+    assert [e.label for e in b.journal.entries()] == ["0", "1", "2", "3"]

@@ -155,11 +155,11 @@ class EvidenceBundle:
             return
         self._result = state
 
-    def _write(self, path: Path, data: bytes, write: Callable[[Path, bytes], None] = atomic_write) -> None:
-        """atomic_write (or `write`), a refusal (disk full, read-only, permission) as one line; the run
+    def _write(self, path: Path, data: bytes, append: bool = False) -> None:
+        """atomic_write (or append_durably), a refusal (disk full, read-only, permission) as one line; the run
         then fails: result.json is closed failed now if it can be written, else at the next write that lands."""
         try:
-            write(path, data)
+            (append_durably if append else atomic_write)(path, data)  # looked up here: tests replace them
         except OSError as exc:
             line = unwritable_line(path, exc)
             if self.unwritable is None:
@@ -204,7 +204,7 @@ class EvidenceBundle:
         returns, through the same refusal as every evidence write."""
         with self._lock:
             self._scan(data, f"{name} (beside the bundle)")
-            self._write(self.dir / name, bytes(data), append_durably)
+            self._write(self.dir / name, bytes(data), append=True)
 
     def reserve_closing(self) -> None:
         """Keep a file slot for each closing record and CLOSING_BYTES in total until they are registered: any other file that would take them is
