@@ -156,10 +156,10 @@ class EvidenceBundle:
         self._result = state
 
     def _write(self, path: Path, data: bytes, append: bool = False) -> None:
-        """atomic_write (or append_durably), a refusal (disk full, read-only, permission) as one line; the run
-        then fails: result.json is closed failed now if it can be written, else at the next write that lands."""
+        """atomic_write (or append_durably), a refusal (disk full, read-only, permission) as one line; the
+        run then fails: result.json is closed failed now if it can be written, else at the next write that lands."""
         try:
-            (append_durably if append else atomic_write)(path, data)  # looked up here: tests replace them
+            (append_durably if append else atomic_write)(path, data)
         except OSError as exc:
             line = unwritable_line(path, exc)
             if self.unwritable is None:
