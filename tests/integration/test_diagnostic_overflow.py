@@ -1,7 +1,7 @@
-"""The diagnostic at a size that one evidence file per update could not hold: 24 updates (with the
-session, preflight, fixed diagnostic files, snapshots and closing records, one file per update
-would pass the bundle's 64 files). Run as a user runs it, the bundle closes within its limits, its
-closing records are there, it verifies, and its update archives replay every loss call."""
+"""The diagnostic past one evidence file per update: 24 updates in 3 archive files, beside the
+session, preflight, fixed diagnostic files and closing records. Run as a user runs it, the bundle
+closes within its limits, its closing records are there, its journal holds every update's record and
+snapshot, it verifies, and its update archives replay every loss call."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 from run_env import harness_env
 
 from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence.journal import JOURNAL_FILE, read_entries
 
 ROOT = Path(__file__).resolve().parents[2]
 PLAN = "diagnostic-ci-overflow.json"
@@ -77,8 +78,9 @@ def test_a_diagnostic_past_one_file_per_update_closes_within_the_bundle(tmp_path
     assert len(registered) <= MAX_FILES and sorted(p.name for p in (bundle / "files").iterdir()) == sorted(registered)
     assert set(CLOSING) <= set(registered), sorted(set(CLOSING) - set(registered))
     assert archives == ["diagnostic-updates-01-08.npz", "diagnostic-updates-09-16.npz", "diagnostic-updates-17-24.npz"]
-    # One file per update, as before the archives, would not have fit.
-    assert len(registered) - len(archives) + updates > MAX_FILES
+    journal = read_entries(bundle / JOURNAL_FILE)  # what a kill would have left: every record, the snapshots
+    assert [e.label for e in journal if e.kind == "record"] == [f"update {u}" for u in range(1, updates + 1)]
+    assert [e.label for e in journal if e.kind == "snapshot"][-1] == "stage diagnostic end"
 
     verify = _cli("dppo_harness.evidence", "verify", str(bundle))
     assert verify.returncode == 0 and "verify: OK" in verify.stdout and "(status succeeded)" in verify.stdout, (

@@ -22,7 +22,7 @@ REAL = ServedModel("Qwen/Qwen3.5-2B", "Qwen/Qwen3.5-2B")
 
 def _result(served, drift=0.0):
     records = simulate_records(seed=1, drift_per_update=drift)
-    state = RunState(None, records=records, updates_done=len(records), setup_seconds=40.0, wall_seconds=579.4)
+    state = RunState(records=records, updates_done=len(records), setup_seconds=40.0, wall_seconds=579.4)
     return analyse(PLAN, state, deterministic_selftest(), {}, served=served)
 
 
@@ -52,7 +52,7 @@ def test_real_model_inactive_keeps_legitimate_regime_and_more_epochs():
 
 def test_code_defect_on_a_stand_in_stays_a_defect():
     records = simulate_records(seed=1, drift_per_update=0.0)  # on-policy: inactive at any delta
-    state = RunState(None, records=records, updates_done=len(records))
+    state = RunState(records=records, updates_done=len(records))
     selftest = deterministic_selftest()
     selftest["passed"] = False
     c = analyse(PLAN, state, selftest, {}, served=STAND_IN).classification

@@ -1,4 +1,4 @@
-"""The diagnostic's requested evidence items: declared service work, snapshots, original gate report, validator CLI."""
+"""The diagnostic's requested evidence items: declared service work, journal snapshots, original gate report, validator CLI."""
 
 import json
 import os
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from dppo_harness.evidence import EvidenceBundle
-from dppo_harness.evidence.files import MAX_FILES
+from dppo_harness.evidence.journal import read_entries
 from dppo_harness.loss import correctness, correctness_golden
 from dppo_harness.plans import PlanError, load_plan
 from dppo_harness.stages.diagnostic import write
@@ -75,31 +75,22 @@ def test_original_gate_report_is_a_real_file_saying_unavailable():
 
 
 def test_feasibility_from_the_diagnostics_own_measurements():
-    state = RunState(
-        None, restore_seconds=5.0, sampling_seconds=60.0, sampled_sequences=256, update_seconds=[10.0] * 16
-    )
+    state = RunState(restore_seconds=5.0, sampling_seconds=60.0, sampled_sequences=256, update_seconds=[10.0] * 16)
     f = write.diagnostic_feasibility(PLAN.diagnostic, state, {}, "x")
     m = f["measurements"]
     assert m["training"]["seconds"] == 220.0 and m["training"]["units"] == 16 and m["training"]["samples"] == 768
     assert m["evaluation"]["planned_units"] == 0 and f["source"] == FEASIBILITY_SOURCE
 
 
-def test_snapshots_are_immutable_numbered_and_respect_the_file_limit(tmp_path):
+def test_snapshots_are_numbered_journal_entries_that_keep_earlier_numbers_and_take_no_file(tmp_path):
     b = EvidenceBundle.create(tmp_path, "s", env={})
     b.update_result(metrics={"diagnostic/updates_done": 4.0})
-    assert b.post_snapshot("after 4") == "result-0001.json"
+    assert b.journal.snapshot("diagnostic", "after 4").ref == "journal.jsonl#1"
     b.update_result(metrics={"diagnostic/updates_done": 8.0})
-    assert b.post_snapshot("after 8") == "result-0002.json"
-    first = json.loads(b.file_path("result-0001.json").read_text())
-    assert first["metrics"]["diagnostic/updates_done"] == 4.0  # unchanged by later updates
-    for i in range(MAX_FILES - len(b.files()) - 3):
-        b.register_json(f"x{i}.json", "log", {})
-    assert b.post_snapshot("late", reserve=4) is None
-    assert sorted(e["name"] for e in b.files() if e["name"].startswith("result-")) == [
-        "result-0001.json",
-        "result-0002.json",
-    ]
-    assert b.ledger()["snapshots"][-1]["skipped"].startswith("file limit")
+    assert b.journal.snapshot("diagnostic", "after 8").ref == "journal.jsonl#2"
+    first, second = read_entries(b.dir / "journal.jsonl")  # as a reader after a kill sees them
+    assert first.data["metrics"]["diagnostic/updates_done"] == 4.0  # unchanged by later updates
+    assert second.data["metrics"]["diagnostic/updates_done"] == 8.0 and b.files() == []
 
 
 @pytest.mark.integration  # a CLI in a subprocess: the default run, not unit parity

@@ -1,5 +1,5 @@
 """The evidence budget is checked at write time: the closing records keep their reserve however much
-a stage writes, an optional file is skipped (and the ledger says so) when only the reserve is left,
+a stage writes, a journal snapshot takes no file slot (it lands when only the reserve is left),
 and a required write over a limit stops the run with one LimitError line."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from dppo_harness.evidence import EvidenceBundle, LimitError, budget
 from dppo_harness.evidence.files import MAX_FILE_BYTES, MAX_FILES, MAX_TOTAL_BYTES
 from dppo_harness.evidence.verify import verify_bundle
 
-RESERVED = len(budget.CLOSING_RECORDS) + budget.STAGE_END_SLOTS
+RESERVED = len(budget.CLOSING_RECORDS)
 
 
 def _closing_bundle(tmp_path: Path) -> EvidenceBundle:
@@ -36,19 +36,10 @@ def test_the_reserve_holds_for_the_closing_records_after_a_stage_writes_up_to_th
     with pytest.raises(LimitError, match="reserved for the closing records") as exc:
         b.register_bytes("one-more.txt", "log", b"y")
     assert f"already written: {MAX_FILES - RESERVED} files" in str(exc.value)
-    assert b.post_snapshot("stage diagnostic end", reserve=len(budget.CLOSING_RECORDS), stage_end=True) is not None
     for name in budget.CLOSING_RECORDS:
         b.register_json(name, "log", {"name": name})
     assert len(b.files()) == MAX_FILES
-    assert b.ledger()["evidence_budget"]["closing_records"][-1] == "the last stage-end snapshot"
-
-
-def test_without_the_stage_end_flag_a_snapshot_cannot_take_the_last_stage_end_slot(tmp_path: Path) -> None:
-    b = _closing_bundle(tmp_path)
-    _fill(b)
-    assert b.free_slots() == 0 and b.free_slots(stage_end=True) == 1
-    with pytest.raises(LimitError, match="reserved for the closing records"):
-        b.register_json("result-0099.json", "metrics", b.result)  # not a stage end: refused
+    assert b.ledger()["evidence_budget"]["closing_records"] == list(budget.CLOSING_RECORDS)
 
 
 def test_the_closing_bytes_are_reserved_too(tmp_path: Path) -> None:
@@ -62,20 +53,14 @@ def test_the_closing_bytes_are_reserved_too(tmp_path: Path) -> None:
         b.register_json(name, "log", {"name": name})
 
 
-def test_an_optional_file_is_skipped_and_recorded_when_only_the_reserve_is_left(tmp_path: Path) -> None:
+def test_a_snapshot_lands_in_the_journal_when_only_the_reserve_is_left(tmp_path: Path) -> None:
     b = _closing_bundle(tmp_path)
     _fill(b)
-    before = len(b.files())
-    assert b.post_snapshot("waiting: sample on arm0", reserve=0) is None
-    assert len(b.files()) == before
-    skipped = b.ledger()["snapshots"][-1]
-    assert skipped["name"] is None and skipped["label"] == "waiting: sample on arm0"
-    assert skipped["skipped"].startswith(f"file limit: {before} of {MAX_FILES} files used")
-
-
-def test_an_optional_file_is_posted_while_there_is_room(tmp_path: Path) -> None:
-    b = _closing_bundle(tmp_path)
-    assert b.post_snapshot("waiting: sample on arm0", reserve=0) == "result-0001.json"
+    before = b.files()
+    entry = b.journal.snapshot("comparison", "waiting: sample on arm0")
+    assert b.files() == before and b.free_slots() == 0  # no file slot taken
+    assert b.journal.entries("snapshot") == [entry] and entry.data == b.result
+    assert verify_bundle(b.dir) == []
 
 
 @pytest.mark.parametrize(

@@ -42,7 +42,7 @@ def _analysis(drift: float):
         "at_init": points[0]["summary"],
         "last": points[-1],
     }
-    state = RunState(None, records=records, updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
+    state = RunState(records=records, updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
     res = analyse(PLAN, state, deterministic_selftest(), sentinels, ServedModel(PLAN.planned_model, PLAN.planned_model))
     return res.analysis_json(), res.next_action
 

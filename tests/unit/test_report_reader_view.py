@@ -154,7 +154,7 @@ def test_diagnostic_report_states_truncation_next_to_the_renderer():
     from dppo_harness.stages.diagnostic.write import analyse
 
     plan = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
-    state = RunState(None, records=simulate_records(seed=1), updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
+    state = RunState(records=simulate_records(seed=1), updates_done=16, setup_seconds=20.0, wall_seconds=100.0)
     served = ServedModel(plan.planned_model, plan.planned_model)
     res = analyse(plan, state, deterministic_selftest(), {"points": []}, served)
     analysis = res.analysis_json()

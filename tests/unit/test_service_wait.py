@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import pytest
 from tinker.lib.api_future_impl import QueueState
 
-from dppo_harness.evidence import MAX_FILES, EvidenceBundle
+from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.evidence.session import start_session
 from dppo_harness.plans import load_plan
 from dppo_harness.service.wait.policy import (
@@ -24,7 +24,7 @@ from dppo_harness.service.wait.policy import (
     ServiceStopped,
     WaitPolicy,
 )
-from dppo_harness.service.wait.waiter import MAX_WAIT_SNAPSHOTS, BundlePoster, ServiceWaiter, WaitedClient, WaitedFuture
+from dppo_harness.service.wait.waiter import BundlePoster, ServiceWaiter, WaitedClient, WaitedFuture
 from dppo_harness.service.wait.watch import LogWatch, SdkPauseLog
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -330,6 +330,8 @@ def _bundle(tmp_path):
 
 
 class Registry:
+    current_stage = "comparison"
+
     def __init__(self):
         self.released = []
 
@@ -360,9 +362,11 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
     assert waiting["call"] == "save_state" and waiting["queue_state_reason"] == REASON and waiting["waited_s"] >= 399
     assert waiting["outcome"] == "answered" and waiting["paused_s"] >= 399  # settled when the answer came
     assert on_disk["service_wait"]["pauses"][0]["queue_state"] == "paused"
-    snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
+    snaps = b.journal.entries("snapshot", "comparison")
     assert poster.posts >= 10 and len(snaps) == 2  # at the first post, then once 300 s later
-    # however long the waits, at most MAX_WAIT_SNAPSHOTS snapshots: the stages' own files need the slots
+    assert snaps[0].label == "waiting: save_state on dppo_seed0"
+    assert not [f for f in b.files() if f["name"].startswith("result-")]  # journal entries, not files
+    # however long the waits, one snapshot per snapshot_every_s at most
     long = ServiceWaiter(
         WaitPolicy(
             capacity_patience_s=1e5,
@@ -380,25 +384,7 @@ def test_posting_writes_result_json_and_rate_limited_snapshots(tmp_path):
         client="dppo_seed0",
         watch=watch,
     )
-    snaps = [f["name"] for f in b.files() if f["name"].startswith("result-")]
-    assert len(snaps) == MAX_WAIT_SNAPSHOTS == poster.snapshots
-
-
-def test_wait_snapshots_stop_at_half_the_file_limit(tmp_path):
-    """Past half the 64 file slots a wait posts result.json but no snapshot (the ledger says
-    why): the rest stays for the stages' own evidence and the session's closing records."""
-    full = _bundle(tmp_path)
-    for i in range(MAX_FILES // 2 - len(full.files())):
-        full.register_json(f"stage-file-{i:02d}.json", "metrics", {"i": i})
-    clock = Clock()
-    poster = BundlePoster(full, Registry(), clock=clock)
-    w = ServiceWaiter(WaitPolicy(post_after_s=1, post_every_s=1, snapshot_every_s=1), clock=clock, on_post=poster.post)
-    w.wait(FakeFuture(clock, done_at=clock.t + 20), call="sample", client="diagnostic sampler", watch=None)
-    assert poster.posts > 0 and poster.snapshots == 0 and len(full.files()) == MAX_FILES // 2
-    (waiting,) = json.loads((full.dir / "result.json").read_text())["service_wait"]["waiting"].values()
-    assert (waiting["call"], waiting["outcome"]) == ("sample", "answered")
-    skipped = full.ledger()["snapshots"]
-    assert skipped and all(s["name"] is None and "kept for later evidence" in s["skipped"] for s in skipped)
+    assert 2 < len(b.journal.entries("snapshot")) <= 2 + 3600 // 300 + 1
 
 
 def test_a_stop_releases_clients_and_writes_the_failed_result(tmp_path):
@@ -420,6 +406,8 @@ def test_a_stop_releases_clients_and_writes_the_failed_result(tmp_path):
     assert r["capacity_block"] == {"error": REASON, "comparison_steps_completed": 0, "released_clients": True}
     assert reg.released == ["errored"] and r["original_hypothesis_tested"] is False
     assert r["service_wait"]["stopped"]["kind"] == "capacity" and "dppo_seed0" in r["summary"]
+    last = b.journal.entries("snapshot")[-1]  # the stopped result, kept in the journal (a kill keeps it)
+    assert last.label == "service stop (capacity)" and last.data["capacity_block"] == r["capacity_block"]
 
     b2 = _bundle(tmp_path / "hang")
     clock2 = Clock()
@@ -571,7 +559,7 @@ def test_concurrent_waits_are_posted_side_by_side(tmp_path):
         t.join(10)
     waits = json.loads((b.dir / "result.json").read_text())["service_wait"]["waiting"].values()
     assert sorted((x["client"], x["outcome"]) for x in waits) == [("arm0", "answered"), ("arm1", "answered")]
-    assert poster.snapshots <= MAX_WAIT_SNAPSHOTS
+    assert b.journal.entries("snapshot")  # the concurrent posts' appends read back whole
 
 
 def test_a_setup_that_fails_with_a_timeout_error_is_its_own_failure_not_a_wait():

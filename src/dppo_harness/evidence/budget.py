@@ -12,13 +12,9 @@ MIB = 1024 * 1024
 
 # Written when the session closes, reserved in the bundle from the session's start.
 CLOSING_RECORDS = ("client-identities.json", "client-releases.json", "unit-parity-summary.json", "budget-ledger.json")
-# Besides them, one slot only a stage-end snapshot may take: the last stage's end always fits.
-STAGE_END_SLOTS = 1
 CLOSING_BYTES = 2 * MIB
 
-# Result snapshots while a call waits on the service, at most (service.wait.waiter.BundlePoster).
-WAIT_SNAPSHOTS = 2
-# The diagnostic posts a result snapshot every this many updates.
+# The diagnostic journals a result snapshot every this many updates.
 SNAPSHOT_EVERY_UPDATES = 4
 UPDATES_PER_ARCHIVE = 8  # update records per archive file, unless the bytes bound says fewer
 # A record's bytes per token position, at most: 5 eight-byte columns (logprobs, anchor, advantage,
@@ -41,7 +37,7 @@ RECORD: JsonObject = {
     "limit_file_bytes": MAX_FILE_BYTES,
     "limit_bytes": MAX_TOTAL_BYTES,
     "checked": "at each registration",
-    "closing_records": [*CLOSING_RECORDS, "the last stage-end snapshot"],
+    "closing_records": list(CLOSING_RECORDS),
     "closing_bytes": CLOSING_BYTES,
 }
 

@@ -1,5 +1,6 @@
 """EvidenceBundle: one run's evidence directory: the immutable `files/<name>` within the limits
-(`files`), result.json with its shape and merge rules (`result`), and the budget ledger (`ledger.json`).
+(`files`), result.json with its shape and merge rules (`result`), the budget ledger (`ledger.json`)
+and the journal of in-loop entries (`journal`).
 It holds the one lock, scans every byte for live secrets before it leaves memory and writes every
 file atomically. On any error nothing changes, on disk or in memory.
 """
@@ -17,14 +18,13 @@ from urllib.parse import urlsplit
 
 from dppo_harness.evidence import files
 from dppo_harness.evidence.backend import Backend
-from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, RECORD, STAGE_END_SLOTS
+from dppo_harness.evidence.budget import CLOSING_BYTES, CLOSING_RECORDS, RECORD
 from dppo_harness.evidence.files import (
     FILES_DIR,
     LATEST_FILE,
     LEDGER_FILE,
     MAX_FILES,
     RESULT_FILE,
-    SNAPSHOT_RE,
     EvidenceError,
     FileEntry,
     LimitError,
@@ -37,6 +37,7 @@ from dppo_harness.evidence.files import (
     sidecar_files,
     unwritable_line,
 )
+from dppo_harness.evidence.journal import Journal
 from dppo_harness.evidence.result import (
     as_text,
     check_rehearsal_plan_result,
@@ -67,7 +68,7 @@ class EvidenceBundle:
         self.unwritable: str | None = None  # the first refused write's line; the run fails with it
         self._closing: frozenset[str] = frozenset()  # names reserved for the close (reserve_closing)
         self._closing_bytes = 0
-        self._stage_end_slots = 0  # slots only a stage-end snapshot may take (reserve_closing)
+        self.journal = Journal(self)  # in-loop durability: entries, not files
 
     @classmethod
     def create(
@@ -169,10 +170,9 @@ class EvidenceBundle:
 
     # -- files
 
-    def register_bytes(self, name: str, kind: str, data: bytes, *, stage_end: bool = False) -> FileEntry:
+    def register_bytes(self, name: str, kind: str, data: bytes) -> FileEntry:
         """Register immutable bytes under `name`. Same bytes again is a no-op; different bytes fail.
-        Every limit is checked here, the closing reserve with them (`stage_end`: a stage-end
-        snapshot, which may take the slot kept for the last one)."""
+        Every limit is checked here, the closing reserve with them."""
         data = bytes(data)
         with self._lock:
             entries = self._entries()
@@ -180,7 +180,7 @@ class EvidenceBundle:
             if not is_new:
                 return entry
             self._scan(data, f"evidence file {name!r}")
-            slots, nbytes = (0, 0) if name in self._closing else self._closing_left(entries, stage_end)
+            slots, nbytes = (0, 0) if name in self._closing else self._closing_left(entries)
             files.check_limits(entry, entries, slots, nbytes)
             self._write(self.file_path(name), data)
             new = copy.deepcopy(self._result)
@@ -188,8 +188,8 @@ class EvidenceBundle:
             self._commit(new)
             return FileEntry(**entry)
 
-    def register_json(self, name: str, kind: str, obj: object, *, stage_end: bool = False) -> FileEntry:
-        return self.register_bytes(name, kind, json_file_bytes(name, obj), stage_end=stage_end)
+    def register_json(self, name: str, kind: str, obj: object) -> FileEntry:
+        return self.register_bytes(name, kind, json_file_bytes(name, obj))
 
     def write_beside(self, name: str, data: bytes) -> Path:
         """Write a sidecar beside the bundle (not registered; scanned at finish and by verify) through
@@ -207,26 +207,22 @@ class EvidenceBundle:
             self._write(self.dir / name, bytes(data), append=True)
 
     def reserve_closing(self) -> None:
-        """Keep a file slot for each closing record, one for the last stage-end snapshot, and
-        CLOSING_BYTES in total until they are registered: any other file that would take them is
+        """Keep a file slot for each closing record and CLOSING_BYTES in total until they are registered: any other file that would take them is
         refused (LimitError), so the close always fits. The ledger records the limits and the reserve."""
         with self._lock:
             self._closing, self._closing_bytes = frozenset(CLOSING_RECORDS), CLOSING_BYTES
-            self._stage_end_slots = STAGE_END_SLOTS
         self.note_ledger(evidence_budget=RECORD)  # note_ledger keeps a copy
 
-    def _closing_left(self, entries: Sequence[FileEntry], stage_end: bool = False) -> tuple[int, int]:
-        """(file slots, bytes) still reserved for closing records not yet registered; a stage-end
-        snapshot may take the slot kept for the last one."""
+    def _closing_left(self, entries: Sequence[FileEntry]) -> tuple[int, int]:
+        """(file slots, bytes) still reserved for closing records not yet registered."""
         names = len(self._closing - {e["name"] for e in entries})
-        return names + (0 if stage_end else self._stage_end_slots), (self._closing_bytes if names else 0)
+        return names, (self._closing_bytes if names else 0)
 
-    def free_slots(self, *, stage_end: bool = False) -> int:
-        """File slots any file may still take (the closing reserve left out); `stage_end`: what a
-        stage-end snapshot may take."""
+    def free_slots(self) -> int:
+        """File slots any file may still take (the closing reserve left out)."""
         with self._lock:
             entries = self._entries()
-            return MAX_FILES - len(entries) - self._closing_left(entries, stage_end)[0]
+            return MAX_FILES - len(entries) - self._closing_left(entries)[0]
 
     # -- result.json
 
@@ -291,26 +287,6 @@ class EvidenceBundle:
                 "(no query string, fragment or credentials)"
             )
         self._append(("evidence", "checkpoints"), {"arm": arm, "step": step, "uri": uri})
-
-    def post_snapshot(self, label: str, *, reserve: int = 10, stage_end: bool = False) -> str | None:
-        """Register the current result.json, exactly as posted, as the next `result-NNNN.json`, so a
-        session that ends early still leaves its results; its name, or None (recorded in the ledger as
-        skipped) when the file limit less `reserve` (slots kept for later evidence, the closing records
-        counted; the slot kept for the last stage-end snapshot comes on top) leaves no room."""
-        with self._lock:
-            entries, log = self._entries(), self._ledger.setdefault("snapshots", [])
-            kept = reserve + (0 if stage_end else STAGE_END_SLOTS)
-            if len(entries) + 1 > MAX_FILES - kept or self.free_slots(stage_end=stage_end) < 1:
-                skipped = f"file limit: {len(entries)} of {MAX_FILES} files used, {kept} kept for later evidence"
-                log.append({"label": label, "name": None, "skipped": skipped})
-                self._write_ledger()
-                return None
-            last = max((int(m.group(1)) for e in entries if (m := SNAPSHOT_RE.match(e["name"]))), default=0)
-            name = f"result-{last + 1:04d}.json"
-            self.register_json(name, "metrics", self._result, stage_end=stage_end)
-            log.append({"label": label, "name": name, "elapsed_s": round(self.elapsed_seconds(), 3)})
-            self._write_ledger()
-            return name
 
     def finish(
         self, status: str, verdict: str, outcome_reason: str | None = None, summary: str | None = None, **fields: Any

@@ -54,15 +54,18 @@ class Journal:
         if self.path.exists() and not (data := self.path.read_bytes()).endswith(b"\n"):
             with open(self.path, "r+b") as f:  # a torn tail: its append never returned; the next starts a line
                 f.truncate(data.rfind(b"\n") + 1)
+        self._size = _size(self.path)  # what this object last saw: another Journal of the bundle may append too
 
     def append(
         self, stage: str, kind: EntryKind, label: str, data: JsonValue = None, blob: bytes | None = None
     ) -> Entry:
         """One entry, durable before this returns."""
         with self.bundle.lock:
+            if (size := _size(self.path)) != self._size:
+                self._seq = len(read_entries(self.path))
             line = _line(self._seq + 1, stage, kind, label, round(self.bundle.elapsed_seconds(), 3), data, blob)
             self.bundle.append_beside(JOURNAL_FILE, line)
-            self._seq += 1
+            self._seq, self._size = self._seq + 1, size + len(line)
             return _entry(line)
 
     def snapshot(self, stage: str, label: str) -> Entry:
@@ -75,6 +78,13 @@ class Journal:
             for e in read_entries(self.path)
             if (kind is None or e.kind == kind) and (stage is None or e.stage == stage)
         ]
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:
+        return 0
 
 
 def _line(seq: int, stage: str, kind: str, label: str, elapsed_s: float, data: JsonValue, blob: bytes | None) -> bytes:

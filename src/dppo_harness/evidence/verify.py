@@ -1,6 +1,7 @@
 """`python -m dppo_harness.evidence verify DIR`: re-check a bundle from disk alone: every registered
-file's sha256 and size, the limits, the result shape, every reference in result.json, and the secret
-scan, over what the run wrote beside its registered files too (it is shared with the bundle).
+file's sha256 and size, the limits, the result shape, the journal's lines, every reference in
+result.json (to a file or a journal entry), and the secret scan, over what the run wrote beside its
+registered files too (it is shared with the bundle).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from dppo_harness.evidence.files import (
     sha256_bytes,
     sidecar_files,
 )
+from dppo_harness.evidence.journal import JOURNAL_FILE, JournalError, read_entries
 from dppo_harness.evidence.result import validate_result
 from dppo_harness.json_types import JsonMap
 from dppo_harness.plans.models import format_path
@@ -112,7 +114,12 @@ def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]
         problems.append(f"{len(files)} files registered; the limit is {MAX_FILES}")
     if total > MAX_TOTAL_BYTES:
         problems.append(f"{total} bytes registered; the limit is {MAX_TOTAL_BYTES}")
-    problems += _reference_problems(result, by_name)
+    try:  # a torn last line is a kill mid-append; any other bad line an altered journal
+        journal = {e.ref: e.sha256 for e in read_entries(path / JOURNAL_FILE)}
+    except JournalError as exc:
+        problems.append(str(exc))
+        journal = {}
+    problems += _reference_problems(result, by_name, journal)
     for fp in sidecar_files(path):
         try:
             data = fp.read_bytes()
@@ -123,8 +130,11 @@ def verify_bundle(path: Path, env: Mapping[str, str] | None = None) -> list[str]
     return problems
 
 
-def _reference_problems(result: object, by_name: Mapping[str, JsonMap]) -> list[str]:
-    problems = []
+def _reference_problems(result: object, by_name: Mapping[str, JsonMap], journal: Mapping[str, str]) -> list[str]:
+    """Each reference names a registered file (`name` or `name#part`) or a journal entry
+    (`journal.jsonl#<seq>`), with its sha256 where the reference gives one."""
+    problems: list[str] = []
+    shas = {**{n: f.get("sha256") for n, f in by_name.items()}, **journal}
     for where, ref in iter_refs(result):
         names: list[tuple[str, str | None]] = []
         if isinstance(ref, str):
@@ -136,11 +146,12 @@ def _reference_problems(result: object, by_name: Mapping[str, JsonMap]) -> list[
         elif ref is not None:
             problems.append(f"{where}: unrecognised reference {type(ref).__name__}")
         for name, sha in names:
-            base = name.split("#", 1)[0]
-            if base not in by_name:
-                problems.append(f"{where}: references {base!r}, which is not a registered file")
-            elif sha is not None and sha != by_name[base].get("sha256"):
-                problems.append(f"{where}: sha256 for {base!r} differs from the registered file")
+            entry = name.startswith(f"{JOURNAL_FILE}#")
+            key, what = (name, "journal entry") if entry else (name.split("#", 1)[0], "registered file")
+            if key not in shas:
+                problems.append(f"{where}: references {key!r}, which is not a {what}")
+            elif sha is not None and sha != shas[key]:
+                problems.append(f"{where}: sha256 for {key!r} differs from the {what}")
     return problems
 
 

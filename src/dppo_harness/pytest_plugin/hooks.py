@@ -393,8 +393,8 @@ def close_stage(state: StageState, stage: str) -> None:
         bundle.update_result(metrics={f"clients/training_created/{stage}": float(created)})
     status = "failed" if stage in state.first_failure else "passed"
     bundle.stage_timing(stage, state.finished[stage] - state.started[stage], status)
-    if stage != "unit":  # an immutable result snapshot at each service stage's end (a killed run keeps it)
-        bundle.post_snapshot(f"stage {stage} end", reserve=4, stage_end=True)
+    if stage != "unit":  # the result at each service stage's end, kept in the journal (a killed run keeps it)
+        bundle.journal.snapshot(stage, f"stage {stage} end")
 
 
 @pytest.hookimpl(wrapper=True)

@@ -54,7 +54,7 @@ class WaitPolicy:
     """How long the harness waits on the service, for every call of every stage: a pause may last
     the capacity patience (before / after the first completed comparison step), a call with no pause
     seen the service timeout. A wait longer than `post_after_s` is posted every `post_every_s` and
-    at most every `snapshot_every_s` as a snapshot file."""
+    at most every `snapshot_every_s` as a journal snapshot."""
 
     capacity_patience_s: float = 600.0
     capacity_patience_after_steps_s: float = 1800.0

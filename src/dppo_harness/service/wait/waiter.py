@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 from tinker import APIFuture, SamplingClient, TrainingClient
 from tinker.lib.public_interfaces.rest_client import RestClient
 
-from dppo_harness.evidence import budget
-from dppo_harness.evidence.files import MAX_FILES
 from dppo_harness.evidence.result import REHEARSAL_PLAN_PREFIX, REHEARSAL_PREFIX
 from dppo_harness.json_types import JsonObject
 from dppo_harness.service.wait.policy import (
@@ -577,18 +575,11 @@ def name_client(client: C, name: str) -> C:
     return client
 
 
-# Waiting snapshots per bundle: at most MAX_WAIT_SNAPSHOTS (the evidence budget's share,
-# evidence.budget.WAIT_SNAPSHOTS), and only while the run uses under half its file slots, so that
-# snapshots never crowd out the stages' own evidence (on the embedded server, whose windows are
-# scaled down, nearly every call counts as a wait). result.json itself is still updated at every post.
-MAX_WAIT_SNAPSHOTS = budget.WAIT_SNAPSHOTS
-WAIT_SNAPSHOT_RESERVE = MAX_FILES // 2
-
-
 class BundlePoster:
     """The waiter's evidence hooks for one bundle: `post` writes the `service_wait` block into
-    result.json and, at most every `snapshot_every_s`, a snapshot; `stop` releases every registered
-    client and writes the stopped run's result, then a snapshot."""
+    result.json and, at most every `snapshot_every_s`, a snapshot into the journal (a full result
+    each: the throttle bounds the journal's size, on the embedded server nearly every call counts as
+    a wait); `stop` releases every registered client and writes the stopped run's result, then a snapshot."""
 
     def __init__(
         self,
@@ -600,7 +591,6 @@ class BundlePoster:
         self._lock = threading.Lock()  # concurrent waits (the arms') post at once
         self._last_snapshot: float | None = None
         self.posts = 0
-        self.snapshots = 0
 
     def post(self, waiter: ServiceWaiter, status: WaitStatus | None) -> None:
         """The block as it stands; `status` None or settled (the wait ended): no snapshot."""
@@ -610,15 +600,9 @@ class BundlePoster:
             if status is None or status.outcome != "waiting":
                 return
             now = self.clock()
-            due = self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s
-            if due and self.snapshots < MAX_WAIT_SNAPSHOTS:
+            if self._last_snapshot is None or now - self._last_snapshot >= waiter.policy.snapshot_every_s:
                 self._last_snapshot = now
-                self.snapshots += (
-                    self.bundle.post_snapshot(
-                        f"waiting: {status.call} on {status.client}", reserve=WAIT_SNAPSHOT_RESERVE
-                    )
-                    is not None
-                )
+                self.bundle.journal.snapshot(self._stage(), f"waiting: {status.call} on {status.client}")
 
     def stop(self, waiter: ServiceWaiter, stop: ServiceStopped) -> None:
         # A dead server holds no session to finish, and each close would wait out its timeout.
@@ -640,4 +624,7 @@ class BundlePoster:
         if not body.strip():
             fields["summary"] = f"Stopped waiting on the service: {stop.line}."
         self.bundle.update_result(**fields)
-        self.bundle.post_snapshot(f"service stop ({stop.kind})", reserve=4)
+        self.bundle.journal.snapshot(self._stage(), f"service stop ({stop.kind})")
+
+    def _stage(self) -> str:
+        return (self.registry.current_stage if self.registry is not None else None) or "session"

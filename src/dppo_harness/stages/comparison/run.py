@@ -455,7 +455,7 @@ class Arms:
             # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
             kept = budget.comparison_reserve(len(run.arms), self.restores_left)
             _register_saved_state(bundle, state, done, kept)
-            bundle.post_snapshot(f"comparison step {done} saved", reserve=kept + len(budget.CLOSING_RECORDS))
+            bundle.journal.snapshot("comparison", f"comparison step {done} saved")
         arm_rows = [r for r in state.rows if r["arm"] == name]
         bundle.post_arm_metrics(name, arm_summary(arm_rows))
         if all(s.steps_done > row["step"] for s in state.arms.values()) and tracker() <= row["step"]:

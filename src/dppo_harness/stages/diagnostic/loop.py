@@ -20,7 +20,6 @@ import tinker
 from pydantic import JsonValue
 
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.evidence import budget
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import ANALYSIS_FILE
 from dppo_harness.json_types import JsonObject
@@ -37,8 +36,8 @@ from dppo_harness.stages.diagnostic.config import (
 )
 from dppo_harness.stages.diagnostic.write import (
     DiagnosticResult,
-    UpdateArchive,
     declare,
+    journal_record,
     own_optimizer_check,
     post_progress,
     register_frozen_batch,
@@ -163,7 +162,6 @@ class SentinelTracker:
 class RunState:
     """What the run measured so far; kept when it stops early, read once into the result."""
 
-    archive: UpdateArchive  # the update records' archive files, open before the first update
     t0: float = 0.0  # time.monotonic() when the stage began: the wall cap counts from it
     cap_seconds: float = math.inf  # the wall cap in effect (the plan's, or the run budget's end when earlier)
     wall_seconds: float = 0.0  # when the service work stopped, from t0
@@ -182,7 +180,6 @@ class RunState:
     update_seconds: list[float] = field(default_factory=list)
     update_phases: list[dict[str, float]] = field(default_factory=list)  # where each update's seconds went
     final_checkpoint: str | None = None
-    snapshots: list[str] = field(default_factory=list)
     info: tinker.types.GetInfoResponse | None = None  # the trained client's get_info response
     first_optim: tinker.OptimStepResponse | None = None  # the trained client's own first optim_step response
     own_check: OptimizerCheck | None = None  # the optimizer check from that response
@@ -308,9 +305,7 @@ def run_bounded_diagnostic(
     t0 = time.monotonic() if stage_start is None else stage_start
     d, arm = plan.diagnostic, plan.diagnostic.fixed_settings.treatment.arm
     say = progress or (lambda _m: None)
-    per_sequence = d.schedule.groups_per_minibatch * d.schedule.group_size
-    per_archive = budget.updates_per_archive(per_sequence, d.fixed_settings.sampling.max_tokens)
-    state = RunState(UpdateArchive(bundle, per_archive), t0, max_wall_seconds(d))
+    state = RunState(t0, max_wall_seconds(d))
     elapsed = state.elapsed
     selftest = declare(bundle, plan)
     try:
@@ -361,10 +356,6 @@ def run_bounded_diagnostic(
         state.errors.append(f"{type(exc).__name__}: {exc}")
         state.stop_reason = f"error: {type(exc).__name__}"
         state.setup_seconds = state.setup_seconds or elapsed()
-    try:  # the update records not yet in an archive file (a stop mid-archive)
-        state.archive.flush()
-    except Exception as exc:  # recorded: the analysis then says which records are missing
-        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
     state.wall_seconds = elapsed()
     say(f"[diagnostic] stopped: {state.stop_reason}; {state.updates_done} updates in {state.wall_seconds:.0f}s")
     return write_evidence(bundle, plan, state, selftest, backend, spec, prior_service_work)
@@ -397,8 +388,7 @@ def _train_epochs(
     stop = None
 
     def persist(rec: ins.LossCallRecord) -> None:
-        # Persisted before the optimizer step it feeds (staged, then registered in its archive).
-        state.archive.add(rec)
+        journal_record(bundle, rec)
         state.records.append(rec)
 
     for epoch, mb in [(e, mb) for e in range(1, epochs + 1) for mb in mbs]:
@@ -449,7 +439,7 @@ def _train_epochs(
         last_update_s = clock() - u0
         state.update_seconds.append(last_update_s)
         t_snapshot = clock()
-        post_progress(bundle, max_updates, state)
+        post_progress(bundle, state)
         state.update_phases.append(phases | {"total": last_update_s, "snapshot_after": clock() - t_snapshot})
         s = rec.stats
         say(

@@ -12,7 +12,7 @@ import json
 import math
 import re
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TypedDict
 
 import tinker
@@ -68,8 +68,6 @@ REPLAY_OUTPUT_FILE = "diagnostic-replay.txt"
 FEASIBILITY_SOURCE = "diagnostic-analysis.json#timings"
 SERVICE_WORK = ("optimizer_updates", "sampling_batches")  # what the plan declares per item and in total
 NO_GPU: JsonObject = {"gpu_count": None, "allocation_source": None}  # the service allocates, not this run
-# The open update archive's records, rewritten beside the bundle before each optimizer step.
-STAGING_FILE = ".diagnostic-updates.staged.npz"
 
 
 class DiagnosticFinal(TypedDict):
@@ -212,7 +210,6 @@ class DiagnosticResult:
                 "final_checkpoint": st.final_checkpoint,
                 "trained_client_initial_output": st.initial_output,
                 "trained_client_first_optim_step": dump_response(st.first_optim) if st.first_optim else None,
-                "snapshots": st.snapshots,
                 "rollout_yield": st.rollout_yield,
             }
         )
@@ -303,17 +300,20 @@ def register_frozen_batch(bundle: EvidenceBundle, frozen: FrozenBatch) -> None:
     bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
 
 
-def post_progress(bundle: EvidenceBundle, max_updates: int, state: RunState) -> None:
-    """Every SNAPSHOT_EVERY_UPDATES updates, the counts posted while running (a killed run keeps
-    its numbers) and a snapshot of the bundle."""
+def journal_record(bundle: EvidenceBundle, record: ins.LossCallRecord) -> None:
+    """One update's record, durable in the journal before the optimizer step it feeds (a killed run keeps it)."""
+    label = f"update {record.context['update_index']}"
+    bundle.journal.append("diagnostic", "record", label, blob=ins.records_to_npz([record]))
+
+
+def post_progress(bundle: EvidenceBundle, state: RunState) -> None:
+    """Every SNAPSHOT_EVERY_UPDATES updates, the counts posted while running and a journal snapshot
+    (a killed run keeps its numbers)."""
     n = state.updates_done
     if n % budget.SNAPSHOT_EVERY_UPDATES != 0:
         return
     bundle.update_result(metrics={"diagnostic/updates_done": float(n), "diagnostic/elapsed_seconds": state.elapsed()})
-    # the last planned update's snapshot is the stage-end one, posted after the analysis
-    name = bundle.post_snapshot(f"diagnostic after update {n}") if n < max_updates else None
-    if name:
-        state.snapshots.append(name)
+    bundle.journal.snapshot("diagnostic", f"diagnostic after update {n}")
 
 
 def own_optimizer_check(
@@ -343,9 +343,17 @@ def write_evidence(
     spec: ExperimentSpec | None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None,
 ) -> DiagnosticResult:
-    """The fixed analysis of what the run measured (however early it stopped), then the sentinels,
-    analysis, next action, the trained arm's provenance, the service-work ledger, feasibility,
-    the replay output, the report and the result fields."""
+    """The update records' archives, then the fixed analysis of what the run measured (however early
+    it stopped), the sentinels, analysis, next action, the trained arm's provenance, the service-work
+    ledger, feasibility, the replay output, the report and the result fields."""
+    d = plan.diagnostic
+    per_file = budget.updates_per_archive(
+        d.schedule.groups_per_minibatch * d.schedule.group_size, d.fixed_settings.sampling.max_tokens
+    )
+    try:
+        register_update_archives(bundle, state.records, per_file)
+    except Exception as exc:  # recorded: the analysis then says which records are missing
+        state.errors.append(f"update records not registered: {type(exc).__name__}: {exc}")
     no_sentinels: SentinelSummary = {"points": [], "at_init": None, "last": None}
     sentinels = state.sentinels.summary() if state.sentinels is not None else no_sentinels
     info = state.restore.get("get_info")  # the served model as the trained client's own get_info names it
@@ -401,7 +409,6 @@ def write_evidence(
         else ("metrics", "summary", "activation_calibration")
     )
     bundle.update_result(**{k: v for k, v in fields_.items() if k in keep})
-    bundle.post_snapshot("diagnostic stage end", reserve=4)
     return result
 
 
@@ -530,41 +537,23 @@ def trained_client_entry(
     }
 
 
-@dataclass
-class UpdateArchive:
-    """The update records, `per_file` per evidence file, so the run's file count does not grow with
-    its updates (`diagnostic-updates-01-08.npz` holds updates 1 to 8).
-
-    Each record is persisted before the optimizer step it feeds: the open archive's records are
-    rewritten, atomically, to the staging file beside the bundle (scanned for secrets like every
-    sidecar) and registered, with its sha256, once the archive is full or the run stops. An archive
-    whose bytes would pass the per-file limit is split; a single record that does not fit one file is
-    refused (LimitError), never truncated."""
-
-    bundle: EvidenceBundle
-    per_file: int
-    pending: list[ins.LossCallRecord] = field(default_factory=list)
-
-    def add(self, record: ins.LossCallRecord) -> None:
-        """Persist `record` (durable before this returns); register the archive once it is full."""
-        self.pending.append(record)
-        self.bundle.write_beside(STAGING_FILE, ins.records_to_npz(self.pending))
-        if len(self.pending) >= max(1, self.per_file):
-            self.flush()
-
-    def flush(self) -> list[str]:
-        """Register the pending records as archive file(s); returns the names registered now."""
-        names: list[str] = []
-        while self.pending:
-            take = len(self.pending)
-            data = ins.records_to_npz(self.pending[:take])
+def register_update_archives(bundle: EvidenceBundle, records: list[ins.LossCallRecord], per_file: int) -> list[str]:
+    """The update records as evidence files, `per_file` per file, so the run's file count does not grow
+    with its updates (`diagnostic-updates-01-08.npz` holds updates 1 to 8); the names registered. An
+    archive whose bytes would pass the per-file limit is split; a single record that does not fit
+    one file is refused (LimitError), never truncated."""
+    names: list[str] = []
+    for start in range(0, len(records), max(1, per_file)):
+        pending = records[start : start + max(1, per_file)]
+        while pending:
+            take = len(pending)
+            data = ins.records_to_npz(pending[:take])
             while len(data) > MAX_FILE_BYTES and take > 1:  # split: fewer records per file
                 take -= 1
-                data = ins.records_to_npz(self.pending[:take])
-            first, last = (int(r.context["update_index"]) for r in (self.pending[0], self.pending[take - 1]))
+                data = ins.records_to_npz(pending[:take])
+            first, last = (int(r.context["update_index"]) for r in (pending[0], pending[take - 1]))
             name = f"diagnostic-updates-{first:02d}-{last:02d}.npz"
-            self.bundle.register_bytes(name, "tensors", data)
+            bundle.register_bytes(name, "tensors", data)
             names.append(name)
-            del self.pending[:take]
-        (self.bundle.dir / STAGING_FILE).unlink(missing_ok=True)
-        return names
+            pending = pending[take:]
+    return names
