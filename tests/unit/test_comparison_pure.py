@@ -416,8 +416,8 @@ def test_one_writer_per_run_a_second_is_refused_in_one_line(tmp_path):
 
 
 def test_step_row_record_writes_the_jsonl_keys_in_their_order_and_decodes_back():
-    """The JSONL keeps the labelled keys, in order, and `fraction` decodes the label back."""
-    from dppo_harness.stages.comparison.step_rows import fraction
+    """The JSONL keeps the labelled keys, in order, and `row_fraction` decodes the label back."""
+    from dppo_harness.loss.terms import row_fraction
 
     row = step_metrics(
         "a",
@@ -462,4 +462,6 @@ def test_step_row_record_writes_the_jsonl_keys_in_their_order_and_decodes_back()
         "rollout_seconds",
         "cookbook_env",
     ]
-    assert fraction(row, "dppo_masked_frac").counterfactual and not fraction(row, "ppo_clip_frac").counterfactual
+    assert (
+        row_fraction(row, "dppo_masked_frac").counterfactual and not row_fraction(row, "ppo_clip_frac").counterfactual
+    )
