@@ -12,6 +12,7 @@ from dppo_harness import plans
 from dppo_harness.evaluation import stats
 from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.loss import loss_registry
+from dppo_harness.loss.terms import LossStats
 from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.stages.comparison.config import ComparisonError, step_seed
 from dppo_harness.stages.comparison.decision import (
@@ -85,7 +86,7 @@ def test_same_seeds_for_both_arms_distinct_across_steps():
 
 class _Rec:
     def __init__(self, **stats):
-        self.stats = stats
+        self.stats = dict.fromkeys(LossStats.scalar_names(), 0) | stats  # every decision's counts, 0 unless given
 
 
 SUMMARY = {
