@@ -5,9 +5,9 @@
 Reloads every record file of a bundle and recomputes every decision, p - q and r from the stored
 tensors with `references.ref_terms` (numpy float64, nothing shared with `losses.py`); its
 statistics are `terms.stats` of those independent decisions, so a disagreement can only come from
-the decisions or tensors. Every decision,
-statistic and returned metric is compared with what was logged, the anchor with the frozen batch
-when the bundle has one; it prints the counts and exits non-zero on any mismatch.
+the decisions or tensors. Every decision, statistic and returned metric is compared with what was
+logged, the anchor with the frozen batch when the bundle has one; it prints the counts and exits
+non-zero on any mismatch.
 """
 
 from __future__ import annotations
