@@ -12,6 +12,7 @@ from dppo_harness import plans
 from dppo_harness.evaluation import stats
 from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.loss import loss_registry
+from dppo_harness.loss.terms import LossStats
 from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.stages.comparison.config import ComparisonError, step_seed
 from dppo_harness.stages.comparison.decision import (
@@ -85,7 +86,7 @@ def test_same_seeds_for_both_arms_distinct_across_steps():
 
 class _Rec:
     def __init__(self, **stats):
-        self.stats = stats
+        self.stats = dict.fromkeys(LossStats.scalar_names(), 0) | stats  # every decision's counts, 0 unless given
 
 
 SUMMARY = {
@@ -416,8 +417,8 @@ def test_one_writer_per_run_a_second_is_refused_in_one_line(tmp_path):
 
 
 def test_step_row_record_writes_the_jsonl_keys_in_their_order_and_decodes_back():
-    """The JSONL keeps the labelled keys, in order, and `fraction` decodes the label back."""
-    from dppo_harness.stages.comparison.step_rows import fraction
+    """The JSONL keeps the labelled keys, in order, and `row_fraction` decodes the label back."""
+    from dppo_harness.loss.terms import row_fraction
 
     row = step_metrics(
         "a",
@@ -462,4 +463,6 @@ def test_step_row_record_writes_the_jsonl_keys_in_their_order_and_decodes_back()
         "rollout_seconds",
         "cookbook_env",
     ]
-    assert fraction(row, "dppo_masked_frac").counterfactual and not fraction(row, "ppo_clip_frac").counterfactual
+    assert (
+        row_fraction(row, "dppo_masked_frac").counterfactual and not row_fraction(row, "ppo_clip_frac").counterfactual
+    )

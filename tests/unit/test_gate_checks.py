@@ -148,9 +148,9 @@ def test_gate_definitions_state_the_pilots_own_update_count_and_clip_eps():
     assert "last (1st) minibatch update" in _report_definitions(1)["dppo_masked_token_fraction"]
     assert "last (11th) minibatch update" in _report_definitions(11)["dppo_masked_token_fraction"]
     # the counterfactual clip's eps is the one the pilot's loss call counted with, not a constant
-    assert gate.definition(
-        "grpo_clip_fraction", "ppo/clip_frac_loss_tokens", updates_per_batch=2, ppo_eps=0.3
-    ).startswith("ppo/clip_frac_loss_tokens: eps=0.3 clip")
+    assert gate.definition("grpo_clip_fraction", updates_per_batch=2, ppo_eps=0.3).startswith(
+        "ppo/clip_frac_loss_tokens: eps=0.3 clip"
+    )
 
 
 def test_bounds_record_writes_the_keys_the_plan_check_declares_in_report_order():

@@ -26,7 +26,7 @@ import torch
 
 from dppo_harness.loss import correctness_golden, golden, losses, references
 from dppo_harness.loss import loss_registry as registry
-from dppo_harness.loss.terms import LossStats
+from dppo_harness.loss.terms import DECISIONS, DPPO_MASK, PPO_CLIP, LossStats
 from dppo_harness.plans import PlanError, parse_plan
 from dppo_harness.stages.comparison.run import make_loss
 
@@ -58,7 +58,7 @@ def _entry(**overrides) -> registry.LossEntry:
         params={},
         reference=_pg_reference,
         golden=registry.GoldenCases(GOLDEN, "expected", "token_mean"),
-        gate_metrics={"pg_ratio_drift_q99": "drift/abs_p99"},
+        gate_metrics={"pg_ratio_drift_q99": registry.GateMetric("drift/abs_p99")},
     )
     fields.update(overrides)
     return registry.LossEntry(**fields)
@@ -85,11 +85,11 @@ def test_the_exchange_losses_are_registered_with_everything_an_entry_holds():
     assert dppo.params == {"dppo_delta": plan["delta"], "ratio_cap": 10.0} and grpo.params == {"ppo_eps": 0.2}
     assert dppo.reference is references.ref_dppo and grpo.reference is references.ref_ppo
     assert set(dppo.gate_metrics) == {"dppo_masked_token_fraction", "policy_drift_abs_p_q90"}
-    assert grpo.gate_metrics == {"grpo_clip_fraction": "ppo/clip_frac_loss_tokens"}
-    # Each rule's own statistics are the returned ones of the decisions it trains with.
-    assert (dppo.decisions, grpo.decisions) == ("dppo", "ppo")
-    assert grpo.metric_names == ("ppo/clipped", "ppo/clip_frac_loss_tokens", "ppo/clip_frac_nonzero_adv")
-    assert len(dppo.metric_names) == 9 and set(dppo.metric_names) <= set(LossStats.names(returned=True))
+    assert grpo.gate_metrics["grpo_clip_fraction"].stat == "ppo/clip_frac_loss_tokens"
+    # Each rule trains with one family of decisions, whose statistics are the loss's returned ones.
+    assert (dppo.decisions, grpo.decisions) == (DPPO_MASK, PPO_CLIP)
+    for d in DECISIONS:
+        assert {d.removed, d.fraction(), d.fraction("nonzero_adv")} <= set(LossStats.names(returned=True))
     for name in registry.loss_names():
         parity = correctness_golden.registered_loss_parity(name, ROOT)
         assert parity.passed and parity.cases == 8, parity.failures
@@ -159,8 +159,8 @@ def test_gate_metrics_come_from_the_registry(registered):
 
     sources = registry.gate_metric_sources()
     assert (
-        sources["pg_ratio_drift_q99"] == "drift/abs_p99"
-        and sources["grpo_clip_fraction"] == "ppo/clip_frac_loss_tokens"
+        sources["pg_ratio_drift_q99"].stat == "drift/abs_p99"
+        and sources["grpo_clip_fraction"].stat == "ppo/clip_frac_loss_tokens"
     )
     registry.LOSSES.pop(NAME, None)
     raw = _spec_with_test_loss()

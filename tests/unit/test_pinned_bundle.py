@@ -10,9 +10,10 @@ from dppo_harness.evaluation import stats
 from dppo_harness.evidence.backend import Backend
 from dppo_harness.evidence.files import json_file_bytes
 from dppo_harness.evidence.result import ResultModel
+from dppo_harness.loss.terms import row_fraction
 from dppo_harness.plans.run_config import CriterionConfig
 from dppo_harness.stages.comparison import decision
-from dppo_harness.stages.comparison.step_rows import fraction, fraction_names, jsonl
+from dppo_harness.stages.comparison.step_rows import fraction_names, jsonl
 
 PINNED = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "comparison-rehearsal"
 FRACTIONS = ("dppo_masked_frac", "ppo_clip_frac", "last_update_masked_frac", "last_update_clip_frac")
@@ -25,7 +26,7 @@ def rebuilt_rows(lines: list[bytes]) -> bytes:
         row = json.loads(line)
         names = fraction_names(row["loss"])
         again = {k: v for k, v in row.items() if not k.endswith(FRACTIONS)}
-        again.update({names[base]: fraction(row, base).value for base in FRACTIONS})
+        again.update({names[base]: row_fraction(row, base).value for base in FRACTIONS})
         out.append(again)
     return jsonl(out)
 

@@ -27,12 +27,10 @@ import torch
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import losses
 from dppo_harness.loss.losses import CustomLossFn, PackedInputs
-from dppo_harness.loss.terms import LossStats, TokenTerms, stats
+from dppo_harness.loss.terms import DECISION_FIELDS, LossStats, TokenTerms, stats
 
 RECORD_FORMAT = "dppo-harness/loss-call-record/v1"
 META_KEY = "__record_meta__"
-
-DECISION_FIELDS: tuple[str, ...] = ("dppo_keep_N", "ppo_clipped_N", "ratio_cap_hit_N")
 # Tensors persisted per call: the current logprobs as the loss received them, the packed inputs, the decisions.
 TENSOR_FIELDS = ("logprobs_N", *(f.name for f in dataclasses.fields(PackedInputs)), *DECISION_FIELDS)
 
@@ -46,7 +44,7 @@ class LossCallRecord:
     context: dict[str, Any]
     dtype: str  # actual dtype of the current logprobs the loss received
     tensors: dict[str, np.ndarray]
-    stats: LossStats  # also read by recorded name (`stats["dppo/removed"]`)
+    stats: LossStats  # also read by recorded name (`stats["tokens/loss"]`)
     loss_metrics: dict[str, float] = field(default_factory=dict)  # what the loss returned to the SDK
     started_unix: float = 0.0
     loss_seconds: float = 0.0
@@ -267,7 +265,7 @@ POOLED_QUANTILES = ("drift/abs_p90", "drift/abs_p99", "drift/signed_p90", "drift
 def pool_calls(terms: Sequence[TokenTerms]) -> JsonObject:
     """Pooled statistics of several loss calls: `terms.stats` of all their tokens together, so
     counts add up, fractions are weighted by loss tokens and quantiles run over every pooled token."""
-    if len({(t.dppo_delta, t.ppo_eps, t.ratio_cap) for t in terms}) != 1:
+    if len({tuple(v for k, v in vars(t).items() if not k.endswith("_N")) for t in terms}) != 1:
         raise ValueError("pooled loss calls must be decided at one set of thresholds")
     tensors: dict[str, Any] = {
         f.name: torch.cat([getattr(t, f.name) for t in terms])

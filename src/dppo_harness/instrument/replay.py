@@ -2,12 +2,12 @@
 
     python -m dppo_harness.instrument.replay EVIDENCE_DIR
 
-Reloads every record file of a bundle, recomputes the DPPO keep mask and the counterfactual PPO
-clip with `references` (numpy float64, nothing shared with `losses.py`), and the ratio-cap hits
-and p - q from the stored tensors; its statistics are `terms.stats` of those independent
-decisions, so a disagreement can only come from the decisions or tensors. Every decision,
-statistic and returned metric is compared with what was logged, the anchor with the frozen batch
-when the bundle has one; it prints the counts and exits non-zero on any mismatch.
+Reloads every record file of a bundle and recomputes every decision, p - q and r from the stored
+tensors with `references.ref_terms` (numpy float64, nothing shared with `losses.py`); its
+statistics are `terms.stats` of those independent decisions, so a disagreement can only come from
+the decisions or tensors. Every decision, statistic and returned metric is compared with what was
+logged, the anchor with the frozen batch when the bundle has one; it prints the counts and exits
+non-zero on any mismatch.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
+from dppo_harness.constants import DPPO_RATIO_CAP, PPO_EPS
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, JsonValue
 from dppo_harness.loss import references
 from dppo_harness.loss import terms as loss_terms
 from dppo_harness.loss.loss_registry import DPPO_DELTA
-from dppo_harness.loss.terms import HIST_SIGNS, LossStats, TokenTerms
+from dppo_harness.loss.terms import DECISION_FIELDS, DECISIONS, HIST_SIGNS, LossStats, TokenTerms
 from dppo_harness.rollout.frozen_batch import FrozenBatch
 
 # A decision may legitimately differ between two float64 exp() implementations only when p - q
@@ -54,30 +54,11 @@ def recompute(
     cap: float = DPPO_RATIO_CAP,
     eps: float = PPO_EPS,
 ) -> tuple[TokenTerms, LossStats]:
-    """Terms and statistics of one record from the numpy references, on its packed tokens as the
-    one row of a padded batch (every decision is per token; the references' loss values, the only
-    thing the normalization changes, are not compared)."""
-    keys = ("logprobs_N", "sampler_logprobs_N", "advantages_N", "mask_N")
-    lp, mu, adv, mask = (record.tensors[k].astype(np.float64)[None, :] for k in keys)
-    on = mask > 0
-    dppo = references.ref_dppo(lp, mu, adv, mask, "sum", delta, cap, LOG_RATIO_CLAMP_MAX)
-    ppo = references.ref_ppo(lp, mu, adv, mask, "sum", ppo_eps=eps)
-    with np.errstate(over="ignore", invalid="ignore"):
-        ratio = np.where(on, np.exp(np.where(on, lp - mu, 0.0)), 1.0)
-        tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
-    # The cap shapes only kept tokens (a dropped token has no gradient to cap).
-    cap_hit = on & (adv != 0) & dppo.decision_BT & (ratio > cap)
-    row = {"dppo_keep_N": dppo.decision_BT, "ppo_clipped_N": ppo.decision_BT, "ratio_cap_hit_N": cap_hit}
-    row |= {
-        "prob_diff_N": tv,
-        "loss_token_N": on,
-        "ratio_N": ratio,
-        "nonzero_adv_N": on & (adv != 0),
-        "advantages_N": adv,
-    }
-    terms = TokenTerms(
-        **{k: torch.from_numpy(v[0]) for k, v in row.items()}, dppo_delta=delta, ppo_eps=eps, ratio_cap=cap
-    )
+    """Terms and statistics of one record from the numpy references (`references.ref_terms`; their
+    loss values, the only thing the normalization changes, are not compared)."""
+    row = references.ref_terms(record.tensors, dppo_delta=delta, ratio_cap=cap, ppo_eps=eps)
+    fields: dict[str, Any] = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in row.items()}
+    terms = TokenTerms(**fields)
     return terms, loss_terms.stats(terms)
 
 
@@ -98,7 +79,7 @@ def check_record(
     terms, stats = recompute(record, delta, cap, eps)
     check = RecordCheck(record.context.get("update_index", record.call_index), stats)
     near = np.abs(np.abs(terms.prob_diff_N.numpy()) - delta) <= BOUNDARY_TIE
-    for name in ins.DECISION_FIELDS:
+    for name in DECISION_FIELDS:
         logged, replayed = np.asarray(record.tensors[name]).astype(bool), getattr(terms, name).numpy()
         if logged.shape != replayed.shape:
             check.problems.append(f"{where}: {name} has {logged.shape[0]} entries, recompute {replayed.shape[0]}")
@@ -250,9 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if report.pooled:
         p = report.pooled
         print(
-            f"pooled second epoch: {p['calls']} calls, {p['tokens/loss']} loss tokens, masked fraction "
-            f"{p['dppo/masked_frac_loss_tokens']:.6g}, clip fraction {p['ppo/clip_frac_loss_tokens']:.6g}, "
-            f"|p-q| q90 {p['drift/abs_p90']:.6g}"
+            f"pooled second epoch: {p['calls']} calls, {p['tokens/loss']} loss tokens, "
+            + "".join(f"{d.verb} fraction {p[d.fraction()]:.6g}, " for d in DECISIONS)
+            + f"|p-q| q90 {p['drift/abs_p90']:.6g}"
         )
     for prob in report.problems:
         print(f"FAIL {prob}")

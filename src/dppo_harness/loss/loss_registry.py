@@ -1,9 +1,10 @@
 """The loss registry: every loss a spec's arm may name is one entry (verl `core_algos` style: one
 registry, one signature): its packed per-token rule (called by `losses.packed_loss`), its
-parameters, the decisions it trains with (whose `terms.LossStats` are then its own), the gate
-metrics it provides, its independent numpy reference (`references.py`) and its golden cases
-(`python -m dppo_harness.loss.golden`). A plan naming an unregistered loss is refused at load. No
-torch import (plan loading stays cheap): the rules use the tensors' own methods.
+parameters, the decisions it trains with (a `terms.Decision`, whose statistics are then its own),
+the gate metrics it provides with their definitions, its independent numpy reference
+(`references.py`) and its golden cases (`python -m dppo_harness.loss.golden`). A plan naming an
+unregistered loss is refused at load. No torch import (plan loading stays cheap): the rules use
+the tensors' own methods.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING, Literal
 
 from dppo_harness.constants import DPPO_RATIO_CAP, LOG_RATIO_CLAMP_MAX, PPO_EPS
 from dppo_harness.loss import references
-from dppo_harness.loss.terms import LossStats, TokenTerms
+from dppo_harness.loss.terms import DPPO_MASK, PPO_CLIP, Decision, TokenTerms
 from dppo_harness.project import project_root
 
 if TYPE_CHECKING:
@@ -54,8 +55,13 @@ def read_pinned_delta(path: Path) -> float:
 
 DPPO_DELTA = read_pinned_delta(project_root() / DELTA_PLAN)
 
-# Activation-gate metrics the harness measures itself, whatever the losses.
-HARNESS_GATE_METRICS = ("executed_updates_per_batch", "executed_base_model")
+# Activation-gate metrics the harness measures itself, whatever the losses, and their definitions.
+HARNESS_GATE_METRICS = {
+    "executed_updates_per_batch": "optim_step calls that returned, counted per rollout batch; the "
+    "value is that count when it is the same for every batch, else the list (which fails)",
+    "executed_base_model": "the model that computes: get_info().model_data.model_name of the pilot's training "
+    "client (the embedded server names its stand-in there)",
+}
 
 
 class UnknownLossError(ValueError):
@@ -66,8 +72,18 @@ class UnknownLossError(ValueError):
 # their thresholds) -> per-token loss_N. The inputs are zero off gradient-bearing tokens (loss
 # tokens with A != 0); a rule must keep those tokens' loss at exactly 0.
 TokenLoss = Callable[["torch.Tensor", "torch.Tensor", "torch.Tensor", TokenTerms], "torch.Tensor"]
-# The families of per-token decisions `TokenTerms` holds, by the prefix of their statistics' names.
-Decisions = Literal["dppo", "ppo", ""]
+
+
+@dataclass(frozen=True)
+class GateMetric:
+    """An activation-gate metric a loss provides: a loss-call statistic of the last update of each
+    pilot step, and its definition in the gate report (`{stat}`, `{last}`: the pilot's last update,
+    "4th", and the loss call's thresholds by their `LossConfig` names are filled in)."""
+
+    stat: str
+    definition: str = (
+        "{stat} of the loss call of the last minibatch update of each pilot step, unweighted mean over pilot steps"
+    )
 
 
 @dataclass(frozen=True)
@@ -92,15 +108,9 @@ class LossEntry:
     reference: Callable[..., references.RefResult]
     golden: GoldenCases
     # The decisions the rule trains with: their statistics are the loss's own; every loss call
-    # also counts the other family on its tensors, as a counterfactual ("": neither).
-    decisions: Decisions = ""
-    gate_metrics: Mapping[str, str] = field(default_factory=dict)  # gate metric -> loss-call statistic
-
-    @property
-    def metric_names(self) -> tuple[str, ...]:
-        """The returned loss-call metrics that describe this rule's own decisions."""
-        prefix = f"{self.decisions}/"
-        return tuple(n for n in LossStats.names(returned=True) if self.decisions and n.startswith(prefix))
+    # also counts the other families on its tensors, as counterfactuals (None: it trains with none).
+    decisions: Decision | None = None
+    gate_metrics: Mapping[str, GateMetric] = field(default_factory=dict)
 
 
 LOSSES: dict[str, LossEntry] = {}
@@ -124,9 +134,9 @@ def get_loss(name: str) -> LossEntry:
     return LOSSES[name]
 
 
-def gate_metric_sources() -> dict[str, str]:
-    """Every activation-gate metric a registered loss provides -> the loss-call statistic."""
-    out: dict[str, str] = {}
+def gate_metric_sources() -> dict[str, GateMetric]:
+    """Every activation-gate metric a registered loss provides."""
+    out: dict[str, GateMetric] = {}
     for entry in LOSSES.values():
         out.update(entry.gate_metrics)
     return out
@@ -179,10 +189,18 @@ register_loss(
         params={"dppo_delta": DPPO_DELTA, "ratio_cap": DPPO_RATIO_CAP},
         reference=references.ref_dppo,
         golden=GoldenCases(_GOLDEN_FILE, "dppo", "token_mean"),
-        decisions="dppo",
+        decisions=DPPO_MASK,
         gate_metrics={
-            "dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens",
-            "policy_drift_abs_p_q90": "drift/abs_p90",
+            "dppo_masked_token_fraction": GateMetric(
+                DPPO_MASK.fraction(),
+                "{stat} (A != 0 tokens removed by the mask / all loss tokens) of the loss call of the last ({last}) "
+                "minibatch update of each pilot step, unweighted mean over pilot steps",
+            ),
+            "policy_drift_abs_p_q90": GateMetric(
+                "drift/abs_p90",
+                "{stat} (q90 of |p_current - p_sampler| over loss tokens) of the loss call of the last ({last}) "
+                "minibatch update of each pilot step, unweighted mean over pilot steps",
+            ),
         },
     )
 )
@@ -200,7 +218,13 @@ register_loss(
             "token_mean",
             {"log_ratio_clamp": LOG_RATIO_CLAMP_MAX, "dual_clip_c": 1e4},
         ),
-        decisions="ppo",
-        gate_metrics={"grpo_clip_fraction": "ppo/clip_frac_loss_tokens"},
+        decisions=PPO_CLIP,
+        gate_metrics={
+            "grpo_clip_fraction": GateMetric(
+                PPO_CLIP.fraction(),
+                "{stat}: eps={ppo_eps:g} clip removing the gradient, counted counterfactually on the same tensors "
+                "as the DPPO metric (last update), mean over pilot steps",
+            )
+        },
     )
 )

@@ -48,7 +48,7 @@ class LossConfig:
         get_loss(self.loss)  # UnknownLossError (a ValueError) naming the registered losses
         if self.normalization not in _NORMALIZATIONS:
             raise ValueError(f"LossConfig.normalization must be one of {_NORMALIZATIONS}, got {self.normalization!r}")
-        for name in ("ppo_eps", "dppo_delta", "ratio_cap"):
+        for name in _CONFIG_PARAMS:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and np.isfinite(value) and value > 0):
                 raise ValueError(f"LossConfig.{name} must be a positive finite number, got {value!r}")

@@ -2,11 +2,13 @@
 closed-form gradients, no autograd), written from ``/work/shared/reference/dppo-binary-tv.md`` and
 sharing nothing with ``losses.py``. One signature: ``ref(lp_BT, mu_BT, adv_BT, mask_BT,
 normalization, **params)``, ``params`` the registered loss's parameters under the same names plus
-the options of a rule variant.
+the options of a rule variant. ``ref_terms`` recomputes every decision of a loss call from them
+(replay's independent check of the packed path).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -92,3 +94,32 @@ def ref_ppo(
     grad = np.where(on & (adv_BT != 0), grad, 0.0)
     loss, grad = _normalize(loss, grad, mask_BT, normalization)
     return RefResult(loss, grad, clipped)
+
+
+def ref_terms(
+    tensors: Mapping[str, np.ndarray], *, dppo_delta: float, ratio_cap: float, ppo_eps: float
+) -> dict[str, np.ndarray | float]:
+    """Every field of `terms.TokenTerms`, by name, from a loss-call record's packed tensors (every
+    decision is per token): the references' decisions, the ratio-cap hits, p - q and r, and the
+    thresholds they were decided at."""
+    lp, mu, adv, mask = (
+        tensors[k].astype(np.float64) for k in ("logprobs_N", "sampler_logprobs_N", "advantages_N", "mask_N")
+    )
+    on = mask > 0
+    keep = ref_dppo(lp, mu, adv, mask, "sum", dppo_delta, ratio_cap, LOG_RATIO_CLAMP_MAX).decision_BT
+    with np.errstate(over="ignore", invalid="ignore"):
+        ratio = np.where(on, np.exp(np.where(on, lp - mu, 0.0)), 1.0)
+        tv = np.where(on, np.exp(np.where(on, lp, 0.0)) - np.exp(np.where(on, mu, 0.0)), 0.0)
+    return {
+        "prob_diff_N": tv,
+        "ratio_N": ratio,
+        "dppo_keep_N": keep,
+        "ppo_clipped_N": ref_ppo(lp, mu, adv, mask, "sum", ppo_eps=ppo_eps).decision_BT,
+        "ratio_cap_hit_N": on & (adv != 0) & keep & (ratio > ratio_cap),  # the cap shapes only kept tokens
+        "loss_token_N": on,
+        "nonzero_adv_N": on & (adv != 0),
+        "advantages_N": adv,
+        "dppo_delta": dppo_delta,
+        "ppo_eps": ppo_eps,
+        "ratio_cap": ratio_cap,
+    }

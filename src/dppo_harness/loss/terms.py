@@ -1,6 +1,6 @@
 """The per-token terms every loss rule decides on (`TokenTerms`: one loss call's decisions, as the
-packed path or replay's independent recompute made them) and `stats(terms) -> LossStats`, the one
-function that counts them.
+packed path or replay's independent recompute made them), `stats(terms) -> LossStats`, the one
+function that counts them, and the families of decisions a rule may train with (`DECISIONS`).
 
 Every consumer reads the same `LossStats` (the loss's returned metrics, the record and its npz
 meta, pooling, replay, the diagnostic); each field carries its recorded name and its kind (`count`:
@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -47,6 +47,9 @@ class TokenTerms:
     dppo_delta: float
     ppo_eps: float
     ratio_cap: float
+
+
+DECISION_FIELDS = ("dppo_keep_N", "ppo_clipped_N", "ratio_cap_hit_N")  # kept per loss-call record, replayed
 
 
 def magnitude_edges(delta: float) -> tuple[float, ...]:
@@ -189,6 +192,54 @@ class LossStats(Mapping[str, Any]):
 
 
 _FIELDS: dict[str, dataclasses.Field[Any]] = {f.metadata["name"]: f for f in dataclasses.fields(LossStats)}
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A family of per-token decisions a rule may train with (`LossEntry.decisions`); every loss call
+    counts each family, counterfactually for an arm that trains with another. Its statistics: `removed`
+    (A != 0 loss tokens it takes out of the gradient), that count over the loss tokens or the A != 0
+    ones (`fraction`); its step-row keys (`row_keys`: the step's pooled fraction, its last update's)."""
+
+    name: str  # the prefix of its statistics' recorded names; upper case in the reports' labels
+    verb: str  # what it does to a token, in labels and row keys
+    past: str  # its count's recorded name
+
+    @property
+    def removed(self) -> str:
+        return f"{self.name}/{self.past}"
+
+    def fraction(self, over: str = "loss_tokens") -> str:
+        return f"{self.name}/{self.verb}_frac_{over}"
+
+    @property
+    def row_keys(self) -> tuple[str, str]:
+        return f"{self.name}_{self.verb}_frac", f"last_update_{self.verb}_frac"
+
+
+DPPO_MASK = Decision("dppo", "masked", "removed")
+PPO_CLIP = Decision("ppo", "clip", "clipped")
+DECISIONS = (DPPO_MASK, PPO_CLIP)
+
+
+def row_label(key: str, *, trained: bool) -> str:
+    return key if trained else f"counterfactual_{key}"
+
+
+class RowFraction(NamedTuple):
+    value: float
+    counterfactual: bool  # the arm does not train with the decision: it removed nothing from its gradient
+
+
+def row_fraction(row: Mapping[str, object], base: str) -> RowFraction:
+    """A decision's fraction in a step row (`base`: one of its `row_keys`), whichever label it carries."""
+    for key in (base, row_label(base, trained=False)):
+        if key in row:
+            value = row[key]
+            if not isinstance(value, (int, float)):
+                raise TypeError(f"step row {key}: {value!r} is not a number")
+            return RowFraction(float(value), key != base)
+    raise KeyError(base)
 
 
 def _quantiles(values: np.ndarray) -> tuple[float, float, float, float]:

@@ -1,8 +1,8 @@
 """Activation gate of the plan's spec: its one treatment arm piloted at the spec's schedule for the
 pilot length the gate states, as the comparison's arm-step (`arm_step.run_arm_step`). Each gate
-metric is the loss-call statistic its registered loss names (`loss_registry.gate_metric_sources`)
-on the last update of each pilot step; every check of the plan is evaluated (`checks.Bounds`), and
-a value outside its range or missing fails the gate. The report is its own immutable evidence file.
+metric is the loss-call statistic its registered loss names (`loss_registry.GateMetric`, which
+also defines it for the report) on the last update of each pilot step; every check of the plan is
+evaluated (`checks.Bounds`), and a value outside its range or missing fails the gate. The report is its own immutable evidence file.
 """
 
 from __future__ import annotations
@@ -33,22 +33,6 @@ GATE_REPORT_FILE = "activation-gate-report.json"
 # One pilot step's row in the report: step, optimizer steps, whether its last update was recorded,
 # that update's loss-call statistics and the step's rollout yield.
 PilotStepRow = dict[str, float | int | bool]
-
-# How each gate metric is measured in the pilot (written into the report); `{last}` is the
-# pilot's last minibatch update ("4th") and `{eps}` the clip eps its loss call counted with.
-DEFINITIONS = {
-    "dppo_masked_token_fraction": "dppo/masked_frac_loss_tokens (A != 0 tokens removed by the mask / "
-    "all loss tokens) of the loss call of the last ({last}) minibatch update of each pilot step, unweighted "
-    "mean over pilot steps",
-    "policy_drift_abs_p_q90": "drift/abs_p90 (q90 of |p_current - p_sampler| over loss tokens) of the "
-    "loss call of the last ({last}) minibatch update of each pilot step, unweighted mean over pilot steps",
-    "grpo_clip_fraction": "ppo/clip_frac_loss_tokens: eps={eps:g} clip removing the gradient, counted "
-    "counterfactually on the same tensors as the DPPO metric (last update), mean over pilot steps",
-    "executed_updates_per_batch": "optim_step calls that returned, counted per rollout batch; the "
-    "value is that count when it is the same for every batch, else the list (which fails)",
-    "executed_base_model": "the model that computes: get_info().model_data.model_name of the pilot's training "
-    "client (the embedded server names its stand-in there)",
-}
 
 
 def ordinal(n: int) -> str:
@@ -84,16 +68,13 @@ def evaluate_gate(checks: Sequence[GateCheck], values: Mapping[str, Measured]) -
     return [evaluate_check(c, values.get(c.metric)) for c in checks]
 
 
-def definition(metric: str, stat: str | None, *, updates_per_batch: int, ppo_eps: float) -> str:
+def definition(metric: str, *, updates_per_batch: int, **thresholds: object) -> str:
     """How a gate metric is measured in the pilot (written into the report), in the pilot's own
-    numbers: its updates per batch and the clip eps of its loss call."""
-    if metric in DEFINITIONS:
-        return DEFINITIONS[metric].format(last=ordinal(updates_per_batch), eps=ppo_eps)
-    return (
-        f"{stat} of the loss call of the last minibatch update of each pilot step, unweighted mean over pilot steps"
-        if stat
-        else "not measured by the pilot"
-    )
+    numbers: its updates per batch and the thresholds of its loss call (`LossConfig`'s names)."""
+    source = loss_registry.gate_metric_sources().get(metric)
+    if source is None:
+        return loss_registry.HARNESS_GATE_METRICS.get(metric, "not measured by the pilot")
+    return source.definition.format(stat=source.stat, last=ordinal(updates_per_batch), **thresholds)
 
 
 def gate_values(
@@ -103,16 +84,13 @@ def gate_values(
     pilot_steps: int,
     *,
     updates_per_batch: int = 2,
-    sources: Mapping[str, str] | None = None,
     yields: Sequence[answer_yield.ResponseYield] = (),
 ) -> tuple[dict[str, Measured], list[PilotStepRow]]:
     """Gate metric values from the pilot's loss-call records, plus one row per pilot step (with the
-    rollout yield of each step that sampled: `yields`, in step order).
-
-    `sources` maps each loss-provided gate metric to its loss-call statistic (default: every
-    registered loss's), measured on each step's last update. A step whose last update never ran
-    makes the metric missing (None), not a mean over fewer steps."""
-    sources = loss_registry.gate_metric_sources() if sources is None else sources
+    rollout yield of each step that sampled: `yields`, in step order). Every registered loss's gate
+    metrics are measured on each step's last update; a step whose last update never ran makes the
+    metric missing (None), not a mean over fewer steps."""
+    sources = loss_registry.gate_metric_sources()
     second = {r.context["step"]: r for r in records if r.context.get("update_in_batch") == updates_per_batch}
     rows: list[PilotStepRow] = []
     for step in range(pilot_steps):
@@ -137,7 +115,7 @@ def gate_values(
     counts = list(optim_steps_per_batch)
     same = len(counts) == pilot_steps and len(set(counts)) == 1
     updates: int | list[int] | None = counts[0] if same else (counts or None)
-    values: dict[str, Measured] = {metric: over_steps(stat) for metric, stat in sources.items()}
+    values: dict[str, Measured] = {metric: over_steps(source.stat) for metric, source in sources.items()}
     values.update(executed_updates_per_batch=updates, executed_base_model=executed_base_model)
     return values, rows
 
@@ -170,8 +148,8 @@ class GateReport:
         ] + self.errors
 
     def to_json(self) -> JsonObject:
-        sources, p = loss_registry.gate_metric_sources(), self.pilot
-        eps = losses.LossConfig.for_loss(p["loss"], p["normalization"]).ppo_eps  # as the pilot's loss call counted
+        p = self.pilot  # the definitions state the thresholds the pilot's loss call counted at
+        cfg = losses.LossConfig.for_loss(p["loss"], p["normalization"])
         return ins.nan_free(
             {
                 "kind": "activation_gate_report",
@@ -179,9 +157,7 @@ class GateReport:
                 "plan": self.plan,
                 "pilot": self.pilot,
                 "definitions": {
-                    c.metric: definition(
-                        c.metric, sources.get(c.metric), updates_per_batch=p["updates_per_batch"], ppo_eps=eps
-                    )
+                    c.metric: definition(c.metric, updates_per_batch=p["updates_per_batch"], **vars(cfg))
                     for c in self.checks
                 },
                 "checks": [asdict(c) for c in self.checks],
@@ -226,6 +202,7 @@ def run_activation_gate(
     steps = run.gate_pilot_steps
     rollout_cfg = rollout_config(run, arm.seed)  # every pilot step samples from the arm's seed
     loss = make_loss(arm, run)
+    own = loss_registry.get_loss(arm.loss).decisions  # the pilot's log line shows its fraction
     reached: list[ArmStepProgress] = []  # how far each step got: what the pilot measured is kept when it stops early
     base_model, base_model_source, loaded_checkpoint = None, "not measured", None
     errors: list[str] = []
@@ -254,8 +231,8 @@ def run_activation_gate(
             last, y = (done.records[-1].stats if done.records else {}), sampled_step.batch.response_yield()
             say(
                 f"[gate] step {step + 1}/{steps}: {len(done.records)} updates, "
-                f"masked frac {last.get('dppo/masked_frac_loss_tokens', float('nan')):.4g}, "
-                f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
+                + (f"{own.verb} frac {last.get(own.fraction(), float('nan')):.4g}, " if own else "")
+                + f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
                 f"truncated {y.truncated_frac:.2f}, no answer {y.no_answer_frac:.2f}, "
                 f"elapsed {time.monotonic() - t0:.0f}s"
             )

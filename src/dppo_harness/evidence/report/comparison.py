@@ -20,8 +20,8 @@ from dppo_harness.evidence.report.plots import (
     plot_truncation,
 )
 from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt, pct, rows_by_arm
-from dppo_harness.instrument.rule_fraction import fraction
 from dppo_harness.json_types import JsonMap, JsonObject, JsonValue, num, obj, objs
+from dppo_harness.loss.terms import DECISIONS, row_fraction
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
@@ -112,18 +112,19 @@ def _per_step_lines(rows: Sequence[JsonMap]) -> list[str]:
     lines = [
         "## Per step and arm",
         "",
-        "| arm | step | reward | format | DPPO masked frac | PPO clip frac | abs(p-q) q90 | KL(s\\|t) v1 | entropy | "
-        "truncated | no answer | mean len | loss tokens | s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| arm | step | reward | format | "
+        + "".join(f"{d.name.upper()} {d.verb} frac | " for d in DECISIONS)
+        + "abs(p-q) q90 | KL(s\\|t) v1 | entropy | truncated | no answer | mean len | loss tokens | s |",
+        "|" + "---|" * (12 + len(DECISIONS)),
     ]
     for r in rows:
-        cells = []
-        for base in ("dppo_masked_frac", "ppo_clip_frac"):
-            f = fraction(r, base)
-            cells.append(f"{'cf ' if f.counterfactual else ''}{fmt(f.value)}")
+        cells = ""
+        for d in DECISIONS:
+            f = row_fraction(r, d.row_keys[0])
+            cells += f"{'cf ' if f.counterfactual else ''}{fmt(f.value)} | "
         lines.append(
             f"| {r['arm']} | {num(r['step']) + 1} | {fmt(r['reward_mean'])} | {fmt(r['format_rate'])} | "
-            f"{cells[0]} | {cells[1]} | {fmt(r['drift_abs_p90'])} | {fmt(r.get('kl_sample_train_v1'))} | "
+            f"{cells}{fmt(r['drift_abs_p90'])} | {fmt(r.get('kl_sample_train_v1'))} | "
             f"{fmt(r.get('entropy'))} | {fmt(r.get('truncated_frac'), '.3f')} | {fmt(r.get('no_answer_frac'), '.3f')} | "
             f"{fmt(r.get('mean_response_tokens'), '.0f')} | {r['loss_tokens']} | {fmt(r['seconds'], '.1f')} |"
         )

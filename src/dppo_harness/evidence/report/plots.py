@@ -15,9 +15,8 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from dppo_harness.evidence.report.text import rows_by_arm
-from dppo_harness.instrument.rule_fraction import fraction
 from dppo_harness.json_types import JsonMap, items, num, obj, objs
-from dppo_harness.loss.terms import delta_bins, hist_bin_labels, magnitude_edges
+from dppo_harness.loss.terms import DECISIONS, delta_bins, hist_bin_labels, magnitude_edges, row_fraction
 
 # The diagnostic's plots: file name and the report's title, in the report's order.
 PLOTS = {
@@ -77,12 +76,12 @@ def plot_histograms(hist: JsonMap, delta: float, scope: str) -> bytes:
 def plot_fractions(rows: Sequence[JsonMap], criteria: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = [num(r["update_index"]) for r in rows]
-    for rule, marker in (("dppo/masked_frac", "o"), ("ppo/clip_frac", "s")):
+    for i, d in enumerate(DECISIONS):
         for over, ls in (("loss_tokens", "-"), ("nonzero_adv", "--")):
-            key = f"{rule}_{over}"
-            ax.plot(x, [num(r[key]) for r in rows], ls + marker, label=key, ms=4)
+            key = d.fraction(over)
+            ax.plot(x, [num(r[key]) for r in rows], ls + "os^v"[i % 4], label=key, ms=4)
     for c in criteria:
-        if c["metric"] in ("dppo/masked_frac_loss_tokens", "ppo/clip_frac_loss_tokens"):
+        if c["metric"] in {d.fraction() for d in DECISIONS}:
             bounds = obj(c["bounds"])
             for bound in ("min", "max"):
                 if bound in bounds:
@@ -154,17 +153,14 @@ def plot_comparison_fractions(rows: Sequence[JsonMap]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     for arm, rs in rows_by_arm(rows).items():
         xs = [num(r["step"]) + 1 for r in rs]
-        for base, title, marker, ls in (
-            ("dppo_masked_frac", "DPPO masked fraction", "o", "-"),
-            ("ppo_clip_frac", "PPO clip fraction", "x", "--"),
-        ):
-            cf = fraction(rs[0], base).counterfactual
+        for i, d in enumerate(DECISIONS):
+            cf = row_fraction(rs[0], d.row_keys[0]).counterfactual
             ax.plot(
                 xs,
-                [fraction(r, base).value for r in rs],
-                marker=marker,
-                linestyle=":" if cf else ls,
-                label=f"{arm}: {title}{' (counterfactual)' if cf else ''}",
+                [row_fraction(r, d.row_keys[0]).value for r in rs],
+                marker="ox^v"[i % 4],
+                linestyle=":" if cf else ("-", "--", "-.")[i % 3],
+                label=f"{arm}: {d.name.upper()} {d.verb} fraction{' (counterfactual)' if cf else ''}",
             )
     ax.set_xlabel("rollout step"), ax.set_ylabel("fraction of loss tokens"), ax.legend(fontsize=7)
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))

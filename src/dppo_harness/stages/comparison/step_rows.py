@@ -1,4 +1,4 @@
-"""One row per arm-step, `StepRowJson` (the batch's reward and format, the loss-rule fractions of
+"""One row per arm-step, `StepRowJson` (the batch's reward and format, each decision's fractions of
 the step's updates, labelled `counterfactual_` when the arm does not train with that rule, drift
 tails, timings, the cookbook's KL(sample||train), entropy and `env/all/*` metrics); the per-arm summary
 `metrics.arms` posts; the terminal line of a committed step; the rows as JSONL."""
@@ -17,20 +17,10 @@ from tinker_cookbook.rl.metric_util import compute_trajectory_metrics
 from tinker_cookbook.rl.metrics import compute_kl_sample_train
 
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.instrument.rule_fraction import fraction, fraction_label
 from dppo_harness.loss import loss_registry
+from dppo_harness.loss.terms import DECISIONS, row_fraction, row_label
 from dppo_harness.rollout import rollouts
 
-# A row's loss-rule fractions -> the loss-call statistic each is computed from (every loss call
-# counts both rules on its tensors, whichever loss it trains with).
-# A pooled fraction is its count over the step's loss tokens; a `last_update_` one is the last
-# update's own fraction.
-FRACTION_SOURCES = {
-    "dppo_masked_frac": "dppo/removed",
-    "ppo_clip_frac": "ppo/clipped",
-    "last_update_masked_frac": "dppo/masked_frac_loss_tokens",
-    "last_update_clip_frac": "ppo/clip_frac_loss_tokens",
-}
 # The cookbook's `compute_kl_sample_train` names -> the row keys they are kept under.
 ROW_KL_KEYS = {
     "optim/kl_sample_train_v1": "kl_sample_train_v1",
@@ -67,16 +57,16 @@ def trajectory_metrics(batch: rollouts.RolloutBatch) -> dict[str, float]:
 
 
 def fraction_names(loss: str) -> dict[str, str]:
-    """Base name -> label in the rows of an arm training with the registered `loss`: a fraction is
-    the arm's own when its statistic is one of the loss's `metric_names`, else counterfactual."""
-    own = set(loss_registry.get_loss(loss).metric_names)
-    return {base: fraction_label(base, trained=source in own) for base, source in FRACTION_SOURCES.items()}
+    """Each decision's row keys -> their label in the rows of an arm training with the registered
+    `loss`: plain for the decisions it trains with, else counterfactual."""
+    own = loss_registry.get_loss(loss).decisions
+    return {key: row_label(key, trained=d == own) for d in DECISIONS for key in d.row_keys}
 
 
 class StepRowJson(TypedDict, total=False):
     """A step row as the JSONL and the run state hold it (`step_metrics`, plus `retries` once
-    committed; a resumed run reads its rows back from the state file in this form). Each loss-rule
-    fraction is under its plain or its `counterfactual_` key (`fraction` decodes it)."""
+    committed; a resumed run reads its rows back from the state file in this form), with each
+    decision's fractions under its plain or `counterfactual_` `row_keys` (`row_fraction` decodes them)."""
 
     arm: Required[str]
     step: Required[int]
@@ -89,14 +79,6 @@ class StepRowJson(TypedDict, total=False):
     mean_response_tokens: float
     responses: int
     max_tokens: int
-    dppo_masked_frac: float
-    counterfactual_dppo_masked_frac: float
-    ppo_clip_frac: float
-    counterfactual_ppo_clip_frac: float
-    last_update_masked_frac: float
-    counterfactual_last_update_masked_frac: float
-    last_update_clip_frac: float
-    counterfactual_last_update_clip_frac: float
     drift_abs_p90: float
     drift_abs_p99: float
     drift_abs_max: float
@@ -133,12 +115,8 @@ def step_metrics(
     a rule the arm does not train with is keyed `counterfactual_` (`fraction_names`)."""
     den = int(sum(r.stats["tokens/loss"] for r in records))
     last = records[-1].stats if records else {}
-
-    def pooled(base: str, stat: str) -> float:
-        if base.startswith("last_update_"):
-            return float(last.get(stat, 0.0))
-        return int(sum(r.stats[stat] for r in records)) / den if den else 0.0
-
+    pooled = {d.row_keys[0]: int(sum(r.stats[d.removed] for r in records)) / den if den else 0.0 for d in DECISIONS}
+    last_update = {d.row_keys[1]: float(last.get(d.fraction(), 0.0)) for d in DECISIONS}
     names = fraction_names(loss)
     row: dict[str, Any] = {
         "arm": arm,
@@ -152,7 +130,7 @@ def step_metrics(
         "mean_response_tokens": float(summary["mean_response_tokens"]),
         "responses": int(summary["n_sequences"]),
         "max_tokens": int(summary["config"]["max_tokens"]),
-        **{names[base]: pooled(base, stat) for base, stat in FRACTION_SOURCES.items()},
+        **{names[key]: value for key, value in (pooled | last_update).items()},
         **{f"drift_abs_{q}": float(last.get(f"drift/abs_{q}", 0.0)) for q in ("p90", "p99", "max")},
         "loss_tokens": den,
         "response_tokens": int(summary["response_tokens"]),
@@ -190,9 +168,9 @@ def arm_summary(rows: Sequence[StepRowJson]) -> dict[str, float]:
         "reward_mean_over_steps": float(np.mean([r["reward_mean"] for r in rows])),
         "format_rate_last": float(last["format_rate"]),
     }
-    for base in ("dppo_masked_frac", "ppo_clip_frac"):
-        key = fraction(last, base).key(base)
-        out[f"{key}_mean"] = float(np.mean([fraction(r, base).value for r in rows]))
+    for base in (d.row_keys[0] for d in DECISIONS):
+        key = row_label(base, trained=not row_fraction(last, base).counterfactual)
+        out[f"{key}_mean"] = float(np.mean([row_fraction(r, base).value for r in rows]))
     out["drift_abs_p90_last"] = float(last["drift_abs_p90"])
     for key in ("truncated_frac", "no_answer_frac", "mean_response_tokens"):
         out[f"{key}_last"] = number(last, key)
@@ -211,9 +189,9 @@ def step_line(row: StepRowJson, steps: int) -> str:
         f"[comparison] {row['arm']} step {row['step'] + 1}/{steps}: reward {row['reward_mean']:.3f}, "
         f"format {row['format_rate']:.2f}"
     ]
-    for base, short in (("dppo_masked_frac", "masked"), ("ppo_clip_frac", "clip")):
-        f = fraction(row, base)
-        parts.append(f"{'cf ' if f.counterfactual else ''}{short} {f.value:.4g}")
+    for d in DECISIONS:
+        f = row_fraction(row, d.row_keys[0])
+        parts.append(f"{'cf ' if f.counterfactual else ''}{d.verb} {f.value:.4g}")
     parts.append(f"truncated {row['truncated_frac']:.2f}")
     parts.append(f"|p-q| q90 {row['drift_abs_p90']:.4g}, {row['seconds']:.1f}s")
     return ", ".join(parts)
