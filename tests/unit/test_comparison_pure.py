@@ -86,7 +86,8 @@ def test_same_seeds_for_both_arms_distinct_across_steps():
 
 class _Rec:
     def __init__(self, **stats):
-        self.stats = dict.fromkeys(LossStats.scalar_names(), 0) | stats  # every decision's counts, 0 unless given
+        # every decision's counts, 0 unless given
+        self.stats = LossStats.from_row(dict.fromkeys(LossStats.scalar_names(), 0) | stats)
 
 
 SUMMARY = {

@@ -44,7 +44,7 @@ class LossCallRecord:
     context: dict[str, Any]
     dtype: str  # actual dtype of the current logprobs the loss received
     tensors: dict[str, np.ndarray]
-    stats: LossStats  # also read by recorded name (`stats["tokens/loss"]`)
+    stats: LossStats
     loss_metrics: dict[str, float] = field(default_factory=dict)  # what the loss returned to the SDK
     started_unix: float = 0.0
     loss_seconds: float = 0.0
@@ -259,7 +259,7 @@ REVISED_SPEC_FILE = "revised-diagnostic-spec.json"
 FROZEN_BATCH_STEM = "diagnostic-frozen-batch"
 
 RATIO_PARTS = LossStats.names("float")  # token-weighted: pooled count over pooled tokens
-POOLED_QUANTILES = ("drift/abs_p90", "drift/abs_p99", "drift/signed_p90", "drift/signed_p99")
+POOLED_QUANTILES = tuple(n for n in LossStats.names("drift") if n.endswith(("_p90", "_p99")))
 
 
 def pool_calls(terms: Sequence[TokenTerms]) -> JsonObject:

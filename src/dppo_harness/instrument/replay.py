@@ -229,11 +229,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             + (f" ({c.ties} boundary ties)" if c.ties else "")
         )
     if report.pooled:
-        p = report.pooled
+        p = LossStats.from_row(report.pooled)
         print(
-            f"pooled second epoch: {p['calls']} calls, {p['tokens/loss']} loss tokens, "
+            f"pooled second epoch: {report.pooled['calls']} calls, {p.tokens_loss} loss tokens, "
             + "".join(f"{d.verb} fraction {p[d.fraction()]:.6g}, " for d in DECISIONS)
-            + f"|p-q| q90 {p['drift/abs_p90']:.6g}"
+            + f"|p-q| q90 {p.drift_abs_p90:.6g}"
         )
     for prob in report.problems:
         print(f"FAIL {prob}")

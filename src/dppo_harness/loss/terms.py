@@ -190,8 +190,20 @@ class LossStats(Mapping[str, Any]):
         values["hist"] = Histogram(edges, *ints)
         return cls(**values)
 
+    @classmethod
+    def from_row(cls, row: Mapping[str, JsonValue]) -> LossStats:
+        """A block of the scalar statistics by recorded name (a per-update row, a pooled block; they
+        keep no histogram edges or dtype), typed once so it is read by field."""
+        return cls.from_recorded({**row, "hist": {k: [] for k in HIST_SIGNS}, "decision_dtype": ""}, ())
+
+    @staticmethod
+    def recorded_name(field_name: str) -> str:
+        """The name a field is recorded under (`dppo_removed` -> "dppo/removed")."""
+        return str(_BY_FIELD[field_name].metadata["name"])
+
 
 _FIELDS: dict[str, dataclasses.Field[Any]] = {f.metadata["name"]: f for f in dataclasses.fields(LossStats)}
+_BY_FIELD = {f.name: f for f in _FIELDS.values()}
 
 
 @dataclass(frozen=True)

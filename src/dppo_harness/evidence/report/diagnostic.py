@@ -3,25 +3,16 @@ registered (`diagnostic-analysis.json`) so it says exactly what the evidence say
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from dppo_harness.evidence.report.plots import PLOTS, make_plots
 from dppo_harness.evidence.report.text import REPORT_FILE, declared_lines, fmt
 from dppo_harness.json_types import JsonMap, items, obj, objs
-from dppo_harness.loss.terms import HIST_SIGNS, LossStats
+from dppo_harness.loss.terms import LossStats
 
 if TYPE_CHECKING:
     from dppo_harness.evidence.bundle import EvidenceBundle
-
-RECORDED_NAME = {f.name: f.metadata["name"] for f in dataclasses.fields(LossStats)}  # field -> key it is written as
-
-
-def row_stats(row: JsonMap) -> LossStats:
-    """A statistics block written by recorded name (a per-update row, the pooled second epoch; they
-    keep no histogram edges or dtype), typed once so it is read by field."""
-    return LossStats.from_recorded({**row, "hist": {k: [] for k in HIST_SIGNS}, "decision_dtype": ""}, ())
 
 
 def _cause_status(c: JsonMap) -> str:
@@ -39,7 +30,7 @@ def _cause_status(c: JsonMap) -> str:
 def _headline_lines(analysis: JsonMap, backend: str) -> list[str]:
     c = obj(analysis["classification"])
     rows = objs(analysis.get("per_update") or [])
-    fired = c["mask_fired"] or any(row_stats(r).dppo_removed > 0 for r in rows)
+    fired = c["mask_fired"] or any(LossStats.from_row(r).dppo_removed > 0 for r in rows)
     return [
         "# Bounded DPPO activation diagnostic",
         "",
@@ -97,7 +88,7 @@ def _criteria_lines(analysis: JsonMap) -> list[str]:
         )
         lines.append(f"| {cr['id']} | `{cr['metric']}` | {fmt(cr['value'])} | {cr['bounds']} | {res} |")
     if block:
-        p = row_stats(block)
+        p = LossStats.from_row(block)
         lines += [
             "",
             f"Pooled second epoch: {block['calls']} calls, {p.tokens_loss} loss tokens ({p.tokens_nonzero_adv} "
@@ -116,7 +107,7 @@ def _per_update_lines(rows: Sequence[JsonMap]) -> list[str]:
         "PPO clipped | abs(p-q) q90 | abs(p-q) p99 | abs(p-q) max | max p-q on A>0 | min p-q on A<0 |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r, s in ((r, row_stats(r)) for r in rows):
+    for r, s in ((r, LossStats.from_row(r)) for r in rows):
         lines.append(
             f"| {r['update_index']} | {r.get('epoch')} | {r.get('minibatch')} | {s.tokens_loss} | {s.tokens_nonzero_adv} | "
             f"{s.dppo_removed} ({s.dppo_removed_pos_adv}/{s.dppo_removed_neg_adv}) | {fmt(s.dppo_masked_frac_loss_tokens)} | "

@@ -16,7 +16,7 @@ from matplotlib.ticker import MaxNLocator
 
 from dppo_harness.evidence.report.text import rows_by_arm
 from dppo_harness.json_types import JsonMap, items, num, obj, objs
-from dppo_harness.loss.terms import DECISIONS, delta_bins, hist_bin_labels, magnitude_edges, row_fraction
+from dppo_harness.loss.terms import DECISIONS, LossStats, delta_bins, hist_bin_labels, magnitude_edges, row_fraction
 
 # The diagnostic's plots: file name and the report's title, in the report's order.
 PLOTS = {
@@ -37,12 +37,11 @@ def _png(fig: Figure) -> bytes:
 def plot_drift_tails(rows: Sequence[JsonMap], delta: float) -> bytes:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     x = [num(r["update_index"]) for r in rows]
+    stats = [LossStats.from_row(r) for r in rows]
     for stat, style in zip(("signed_max", "signed_p99", "signed_p90", "signed_min", "abs_p90", "abs_p99"), "^o.vsD"):
-        key = f"drift/{stat}"
         line = ("--" if stat.startswith("abs") else "-") + style
-        ax.plot(
-            x, [float(num(v)) if (v := r.get(key)) is not None else float("nan") for r in rows], line, label=key, ms=4
-        )
+        ys = [float("nan") if (v := getattr(s, f"drift_{stat}")) is None else float(v) for s in stats]
+        ax.plot(x, ys, line, label=LossStats.recorded_name(f"drift_{stat}"), ms=4)
     for y in (delta, -delta):
         ax.axhline(y, color="red", lw=1, ls=":")
     ax.text(x[0] if x else 0, delta, f" +delta {delta}", color="red", va="bottom", fontsize=8)

@@ -113,10 +113,11 @@ def step_metrics(
     """One arm-step row: reward/format/truncation from the batch, loss metrics of the step's minibatch
     updates pooled by loss tokens (fractions) and of its last update (drift tails, as the gate);
     a rule the arm does not train with is keyed `counterfactual_` (`fraction_names`)."""
-    den = int(sum(r.stats["tokens/loss"] for r in records))
-    last = records[-1].stats if records else {}
+    den = int(sum(r.stats.tokens_loss for r in records))
+    last = records[-1].stats if records else None
     pooled = {d.row_keys[0]: int(sum(r.stats[d.removed] for r in records)) / den if den else 0.0 for d in DECISIONS}
-    last_update = {d.row_keys[1]: float(last.get(d.fraction(), 0.0)) for d in DECISIONS}
+    last_update = {d.row_keys[1]: float(last[d.fraction()]) if last else 0.0 for d in DECISIONS}
+    tails = (last.drift_abs_p90, last.drift_abs_p99, last.drift_abs_max) if last else (0.0, 0.0, 0.0)
     names = fraction_names(loss)
     row: dict[str, Any] = {
         "arm": arm,
@@ -131,7 +132,7 @@ def step_metrics(
         "responses": int(summary["n_sequences"]),
         "max_tokens": int(summary["config"]["max_tokens"]),
         **{names[key]: value for key, value in (pooled | last_update).items()},
-        **{f"drift_abs_{q}": float(last.get(f"drift/abs_{q}", 0.0)) for q in ("p90", "p99", "max")},
+        **{f"drift_abs_{q}": float(v) for q, v in zip(("p90", "p99", "max"), tails, strict=True)},
         "loss_tokens": den,
         "response_tokens": int(summary["response_tokens"]),
         "updates": len(records),

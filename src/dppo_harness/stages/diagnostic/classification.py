@@ -21,7 +21,6 @@ import torch
 from pydantic import JsonValue
 
 from dppo_harness.evidence.backend import ServedModel
-from dppo_harness.evidence.report.diagnostic import RECORDED_NAME, row_stats
 from dppo_harness.evidence.report.text import fmt
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument.instrumentation import POOLED_QUANTILES, RATIO_PARTS
@@ -173,7 +172,7 @@ def classify(
     )
     applicable = [c for c in criteria if c.applies]
     active = bool(applicable) and all(c.passed for c in applicable) and not integrity_problems and not variant_problems
-    p = row_stats(pooled) if pooled else None
+    p = LossStats.from_row(pooled) if pooled else None
     fired = p is not None and p.dppo_removed > 0
     state = "active" if active else ("partially_active" if fired else "inactive")
     # What was measured: pooled values, a short second epoch, and the sentinels.
@@ -362,7 +361,7 @@ _POOLING_OK = {
 def evaluate_criteria(criteria: Sequence[AnalysisCriterion], pooled: JsonMap) -> list[CriterionResult]:
     """The plan's fixed criteria on pooled values (the rule shared with the gate's checks,
     `checks.Bounds`); nothing is tuned, relaxed or selected here."""
-    out, stats = [], row_stats(pooled)
+    out, stats = [], LossStats.from_row(pooled)
     for c in criteria:
         if c.metric not in _POOLING_OK.get(c.pooling, set()):
             raise DiagnosticError(
@@ -541,7 +540,7 @@ def deterministic_selftest(
         loss.backward()
         s = rec.records[0].stats
         got = tuple(getattr(s, k) for k in _SELFTEST_COUNTS)
-        reported = tuple(int(metrics.get(RECORDED_NAME[k], -1)) for k in _SELFTEST_COUNTS)
+        reported = tuple(int(metrics.get(LossStats.recorded_name(k), -1)) for k in _SELFTEST_COUNTS)
         grads = [float(lp.grad[-1]) if lp.grad is not None else math.nan for lp in lps]
         prompt_grads_zero = all(lp.grad is not None and float(lp.grad[:2].abs().sum()) == 0.0 for lp in lps)
         grad_ok = all((g == 0.0) if z else (g != 0.0 and math.isfinite(g)) for g, z in zip(grads, zero_grad))
@@ -554,7 +553,7 @@ def deterministic_selftest(
             problems.append(f"response-token gradients {grads} (zero expected: {list(zero_grad)})")
         if not prompt_grads_zero:
             problems.append("prompt positions received a gradient")
-        extra = {RECORDED_NAME[k]: (getattr(s, k), want) for k, want in SELFTEST_EXTRA.get(name, {}).items()}
+        extra = {LossStats.recorded_name(k): (getattr(s, k), want) for k, want in SELFTEST_EXTRA.get(name, {}).items()}
         for key, (value, want) in extra.items():
             if value != want:
                 problems.append(f"recorded {key}={value} != expected {want}")

@@ -21,12 +21,11 @@ from pydantic import JsonValue
 from dppo_harness.evidence import budget, report
 from dppo_harness.evidence.backend import ServedModel, served_name
 from dppo_harness.evidence.files import MAX_FILE_BYTES
-from dppo_harness.evidence.report.diagnostic import RECORDED_NAME, row_stats
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, pool_calls
 from dppo_harness.json_types import JsonObject, as_value
-from dppo_harness.loss.terms import hist_bin_labels, magnitude_edges
+from dppo_harness.loss.terms import LossStats, hist_bin_labels, magnitude_edges
 from dppo_harness.stages.diagnostic.classification import (
     Classification,
     CriterionResult,
@@ -112,7 +111,7 @@ class DiagnosticResult:
             "diagnostic/selftest_passed": 1.0 if self.selftest.get("passed") else 0.0,
         }
         if self.pooled:
-            pooled = row_stats(self.pooled)
+            pooled = LossStats.from_row(self.pooled)
             for k in (  # LossStats fields, under their recorded names in result.json
                 "dppo_masked_frac_loss_tokens",
                 "dppo_masked_frac_nonzero_adv",
@@ -132,7 +131,7 @@ class DiagnosticResult:
             ):
                 v = getattr(pooled, k)
                 if isinstance(v, (int, float)) and math.isfinite(v):
-                    metrics[f"diagnostic/epoch2_pooled/{RECORDED_NAME[k]}"] = float(v)
+                    metrics[f"diagnostic/epoch2_pooled/{LossStats.recorded_name(k)}"] = float(v)
         if y := self.state.rollout_yield:  # the frozen batch's truncation and answer yield
             metrics |= {f"diagnostic/rollout_{k}": float(y[k]) for k in ("truncated_frac", "no_answer_frac")}
             metrics["diagnostic/rollout_mean_response_tokens"] = float(y["mean_response_tokens"])
