@@ -255,10 +255,10 @@ def evidence_bundle(
         test_files=sorted({str(it.path) for it in request.session.items}),
         served_model=served,
     )
-    from dppo_harness.service.connectivity import record_session_identity  # lazy: see the module docstring
+    from dppo_harness.stages.write import write_connectivity  # lazy: see the module docstring
 
     # the connectivity report; on the embedded server (marker), the rehearsal label.
-    record_session_identity(bundle, connectivity, harness_options.backend)
+    write_connectivity(bundle, connectivity, harness_options.backend)
     return bundle
 
 
@@ -302,6 +302,7 @@ def restoration(service_client: tinker.ServiceClient, harness: Harness, client_b
     original plan), run once. Later stages reuse its shared initial checkpoint, the arms' restored
     clients (never updated here) and the fixed batch."""
     from dppo_harness.stages import restoration as restoration_module  # lazy: see the module docstring
+    from dppo_harness.stages.write import write_restoration  # lazy: see the module docstring
 
     h, server = harness, harness.backend.server
     # Its own session, registered before its first call: a stop on the way (capacity, hang) releases it with the rest.
@@ -311,7 +312,7 @@ def restoration(service_client: tinker.ServiceClient, harness: Harness, client_b
         try:
             # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
             with Watchdog(h.say, every_s=10.0) as watch:
-                return restoration_module.run_restoration_preflight(
+                result = restoration_module.run_restoration_preflight(
                     service_client,
                     h.plan,
                     h.bundle,
@@ -322,6 +323,8 @@ def restoration(service_client: tinker.ServiceClient, harness: Harness, client_b
                     registry=h.registry,
                     progress=watch.say,
                 )
+            write_restoration(h.bundle, result)
+            return result
         except restoration_module.RestorationError as exc:  # a response without a field the proof needs
             line = f"restoration preflight: {exc}"
         except CapacityExhausted as exc:  # the run ends with its capacity_block
@@ -352,15 +355,15 @@ def feasibility(
     # already spent in this session is the budget ledger's business (evidence.budget_allows per stage).
     eff = effective_config(h.plan, backend_info(h.backend, h.plan, arm_client))
     from dppo_harness.stages import feasibility as feasibility_module  # lazy: see the module docstring
+    from dppo_harness.stages.write import write_feasibility  # lazy: see the module docstring
 
     with (
         h.stage_session("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)") as pilot_sc,
         Watchdog(h.say, every_s=10.0) as watch,
     ):
-        return feasibility_module.run_feasibility(
+        result = feasibility_module.run_feasibility(
             pilot_sc,
             h.plan,
-            h.bundle,
             initial_checkpoint=verified_restoration.initial_checkpoint,
             backend_kind=h.backend.kind,
             effective_config=eff,
@@ -368,6 +371,8 @@ def feasibility(
             progress=watch.say,
             embedded_server=connectivity.embedded,
         )
+        write_feasibility(h.bundle, result)
+    return result
 
 
 @pytest.fixture(scope="session")
@@ -376,12 +381,15 @@ def gate_report(harness: Harness, restoration: RestorationResult) -> GateReport:
     """The plan's activation-gate pilot of its treatment arm, run once per session. The pilot's
     client lives in its own session, closed as soon as the pilot ends (before any arm trains)."""
     from dppo_harness.stages.gate import run_activation_gate  # lazy: see the module docstring
+    from dppo_harness.stages.write import write_gate  # lazy: see the module docstring
 
     h = harness
     with h.stage_session("gate-pilot", "activation-gate pilot (closed when the pilot ends)") as pilot_sc:
-        return run_activation_gate(
+        report = run_activation_gate(
             pilot_sc, h.plan, h.bundle, restoration.initial_checkpoint, backend=h.backend.kind, progress=h.say
         )
+        write_gate(h.bundle, report)
+    return report
 
 
 @pytest.fixture(scope="session")

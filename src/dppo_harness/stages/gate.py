@@ -2,7 +2,7 @@
 pilot length the gate states, as the comparison's arm-step (`arm_step.run_arm_step`). Each gate
 metric is the loss-call statistic its registered loss names (`loss_registry.gate_metric_sources`)
 on the last update of each pilot step; every check of the plan is evaluated (`checks.Bounds`), and
-a value outside its range or missing fails the gate. The report is its own immutable evidence file.
+a value outside its range or missing fails the gate. Each step's loss records are journaled as it ends.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import tinker
 
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import answer_yield
+from dppo_harness.evidence.journal import Journal
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.loss import loss_registry, losses
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ArmConfig, Plan, RunConfig
     from dppo_harness.plans.models import GateCheck
 
-GATE_REPORT_FILE = "activation-gate-report.json"
 # One pilot step's row in the report: step, optimizer steps, whether its last update was recorded,
 # that update's loss-call statistics and the step's rollout yield.
 PilotStepRow = dict[str, float | int | bool]
@@ -163,6 +163,7 @@ class GateReport:
     plan: dict[str, Any]
     wall_seconds: float
     errors: list[str] = field(default_factory=list)
+    step_records: dict[int, bytes] = field(default_factory=dict)  # each pilot step's loss records (npz)
 
     def failures(self) -> list[str]:
         return [
@@ -215,10 +216,9 @@ def run_activation_gate(
     backend: str,
     progress: Callable[[str], None] | None = None,
 ) -> GateReport:
-    """Pilot the plan's treatment arm on a client restored from the shared initial checkpoint,
-    evaluate every check of the plan's gate, write the report, the per-step tensors and
-    `activation_calibration`. A pilot stopping early is recorded in `errors`, and the gate then
-    fails on the missing values."""
+    """Pilot the plan's treatment arm on a client restored from the shared initial checkpoint and
+    evaluate every check of the plan's gate. A pilot stopping early is recorded in `errors`, and
+    the gate then fails on the missing values."""
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
     run = plan.spec_plan.spec_run
@@ -229,6 +229,7 @@ def run_activation_gate(
     reached: list[ArmStepProgress] = []  # how far each step got: what the pilot measured is kept when it stops early
     base_model, base_model_source, loaded_checkpoint = None, "not measured", None
     errors: list[str] = []
+    npz: dict[int, bytes] = {}  # each step's loss records, journaled when the step ends (a killed run keeps them)
     try:
         restored = restore(service_client, initial_checkpoint, "gate pilot client")
         loaded_checkpoint = restored.loaded_path
@@ -250,7 +251,8 @@ def run_activation_gate(
             sampled_step, _ = run_arm_step(
                 restored.client, arm, run, loss, step, items, renderer, seed=arm.seed, sampler_name=name, progress=done
             )
-            bundle.register_bytes(f"gate-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
+            npz[step] = ins.records_to_npz(done.records)
+            Journal(bundle).append("gate", "record", f"pilot step {step}", blob=npz[step])
             last, y = (done.records[-1].stats if done.records else {}), sampled_step.batch.response_yield()
             say(
                 f"[gate] step {step + 1}/{steps}: {len(done.records)} updates, "
@@ -286,7 +288,7 @@ def run_activation_gate(
         "executed_base_model_source": base_model_source,
         "rollout_yield": answer_yield.pooled(yields).as_dict() if yields else None,
     }
-    report = GateReport(
+    return GateReport(
         passed=all(r.passed for r in results) and not errors,
         checks=results,
         values=values,
@@ -295,7 +297,5 @@ def run_activation_gate(
         plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,
         errors=errors,
+        step_records=npz,
     )
-    bundle.register_json(GATE_REPORT_FILE, "report", report.to_json())
-    bundle.update_result(activation_calibration=report.calibration())
-    return report
