@@ -31,6 +31,7 @@ from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, Ser
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
 from dppo_harness.stages.session_rules import record_capacity_stop_before_training, runs_feasibility_pilot
+from dppo_harness.stages.write import write_connectivity, write_feasibility, write_gate, write_restoration
 
 if TYPE_CHECKING:
     import tinker
@@ -255,8 +256,6 @@ def evidence_bundle(
         test_files=sorted({str(it.path) for it in request.session.items}),
         served_model=served,
     )
-    from dppo_harness.stages.write import write_connectivity  # lazy: see the module docstring
-
     # the connectivity report; on the embedded server (marker), the rehearsal label.
     write_connectivity(bundle, connectivity, harness_options.backend)
     return bundle
@@ -302,7 +301,6 @@ def restoration(service_client: tinker.ServiceClient, harness: Harness, client_b
     original plan), run once. Later stages reuse its shared initial checkpoint, the arms' restored
     clients (never updated here) and the fixed batch."""
     from dppo_harness.stages import restoration as restoration_module  # lazy: see the module docstring
-    from dppo_harness.stages.write import write_restoration  # lazy: see the module docstring
 
     h, server = harness, harness.backend.server
     # Its own session, registered before its first call: a stop on the way (capacity, hang) releases it with the rest.
@@ -355,7 +353,6 @@ def feasibility(
     # already spent in this session is the budget ledger's business (evidence.budget_allows per stage).
     eff = effective_config(h.plan, backend_info(h.backend, h.plan, arm_client))
     from dppo_harness.stages import feasibility as feasibility_module  # lazy: see the module docstring
-    from dppo_harness.stages.write import write_feasibility  # lazy: see the module docstring
 
     with (
         h.stage_session("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)") as pilot_sc,
@@ -381,7 +378,6 @@ def gate_report(harness: Harness, restoration: RestorationResult) -> GateReport:
     """The plan's activation-gate pilot of its treatment arm, run once per session. The pilot's
     client lives in its own session, closed as soon as the pilot ends (before any arm trains)."""
     from dppo_harness.stages.gate import run_activation_gate  # lazy: see the module docstring
-    from dppo_harness.stages.write import write_gate  # lazy: see the module docstring
 
     h = harness
     with h.stage_session("gate-pilot", "activation-gate pilot (closed when the pilot ends)") as pilot_sc:

@@ -142,18 +142,6 @@ class ConnectivityReport:
         substitute) for the model it checked, any other model as it is. The only place that resolves it."""
         return self.model if requested_model == self.requested_model else requested_model
 
-    def as_evidence(self) -> JsonObject:
-        """connectivity-preflight.json."""
-        head = ("backend", "base_url", "requested_model", "model", "served_models", "substitution")
-        return {
-            **{k: getattr(self, k) for k in head},
-            "embedded_server": self.marker.model_dump() if self.marker else None,
-            "get_server_capabilities": self.capabilities,
-            "first_contact": self.first_contact,
-            "checks": list(self.checks),
-            "seconds": round(self.seconds, 3),
-        }
-
 
 def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: ProxyTokens = "modal") -> str:
     """The line for a 401/403: the header the service names (never its value) and its variable."""

@@ -163,7 +163,6 @@ class GateReport:
     plan: dict[str, Any]
     wall_seconds: float
     errors: list[str] = field(default_factory=list)
-    step_records: dict[int, bytes] = field(default_factory=dict)  # each pilot step's loss records (npz)
 
     def failures(self) -> list[str]:
         return [
@@ -194,18 +193,6 @@ class GateReport:
             }
         )
 
-    def calibration(self) -> JsonObject:
-        p = self.pilot
-        values = {k: (v if v is not None else "missing") for k, v in self.values.items()}
-        note = (
-            f"{p['steps_completed']}/{p['steps']}-step pilot of {p['arm']} ({p['loss']}, "
-            f"{p['normalization']}), fresh sampling each step from the current weights, "
-            f"{p['groups_per_batch']} groups x {p['group_size']} at T={p['temperature']}, max_tokens {p['max_tokens']}, "
-            f"{p['updates_per_batch']} complete-group minibatch updates per batch, AdamW lr {p['adam']['learning_rate']:g}; "
-            f"backend {p['backend']}; gate {'passed' if self.passed else 'FAILED'}"
-        )
-        return {"values": values, "note": note}
-
 
 def run_activation_gate(
     service_client: tinker.ServiceClient,
@@ -229,7 +216,6 @@ def run_activation_gate(
     reached: list[ArmStepProgress] = []  # how far each step got: what the pilot measured is kept when it stops early
     base_model, base_model_source, loaded_checkpoint = None, "not measured", None
     errors: list[str] = []
-    npz: dict[int, bytes] = {}  # each step's loss records, journaled when the step ends (a killed run keeps them)
     try:
         restored = restore(service_client, initial_checkpoint, "gate pilot client")
         loaded_checkpoint = restored.loaded_path
@@ -251,8 +237,7 @@ def run_activation_gate(
             sampled_step, _ = run_arm_step(
                 restored.client, arm, run, loss, step, items, renderer, seed=arm.seed, sampler_name=name, progress=done
             )
-            npz[step] = ins.records_to_npz(done.records)
-            Journal(bundle).append("gate", "record", f"pilot step {step}", blob=npz[step])
+            Journal(bundle).append("gate", "record", f"pilot step {step}", step, ins.records_to_npz(done.records))
             last, y = (done.records[-1].stats if done.records else {}), sampled_step.batch.response_yield()
             say(
                 f"[gate] step {step + 1}/{steps}: {len(done.records)} updates, "
@@ -297,5 +282,4 @@ def run_activation_gate(
         plan={"file": plan.name, "sha256": plan.sha256},
         wall_seconds=time.monotonic() - t0,
         errors=errors,
-        step_records=npz,
     )

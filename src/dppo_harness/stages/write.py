@@ -1,21 +1,20 @@
 """The stages' writers: the one place their file names and result.json keys live. A stage returns its
-typed result and names no file (its evidence refs cite these names); its fixture calls its writer."""
+typed result and names no file (its evidence refs cite these names); its fixture calls its writer.
+Light to import (the plugin's fixtures do at start-up): the SDK loads with the stages."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 from dppo_harness.evidence.backend import backend_of
-from dppo_harness.json_types import JsonValue, as_object
-from dppo_harness.train.clients import datum_arrays
+from dppo_harness.evidence.journal import Journal
+from dppo_harness.json_types import JsonObject, JsonValue, as_object
 from dppo_harness.train.optimizer_checks import own_response_only
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.service.connectivity import ConnectivityReport
-    from dppo_harness.stages.feasibility import FeasibilityResult
-    from dppo_harness.stages.gate import GateReport
-    from dppo_harness.stages.restoration import InitializationProvenance, RestorationResult
+    from dppo_harness.stages import feasibility, gate, restoration
 
 RESPONSES_FILE = "restoration-server-responses.json"
 PROBE_FILE = "restoration-probe.json"
@@ -29,10 +28,18 @@ CONNECTIVITY_FILE = "connectivity-preflight.json"
 
 
 def write_connectivity(bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str) -> None:
-    """Before any training client: the connectivity report, a model choice, and on the embedded
-    server (its marker) the backend block of kind `local`, whatever `--backend` said, which labels
-    every summary a rehearsal and says which server and profile ran."""
-    bundle.register_json(CONNECTIVITY_FILE, "manifest", report.as_evidence())
+    """Before any training client: the report, a model choice, and on the embedded server (its marker) the
+    backend block of kind `local` whatever `--backend` said: every summary a rehearsal's, naming the server."""
+    head = ("backend", "base_url", "requested_model", "model", "served_models", "substitution")
+    evidence: JsonObject = {
+        **{k: getattr(report, k) for k in head},
+        "embedded_server": report.marker.model_dump() if report.marker else None,
+        "get_server_capabilities": report.capabilities,
+        "first_contact": report.first_contact,
+        "checks": list(report.checks),
+        "seconds": round(report.seconds, 3),
+    }
+    bundle.register_json(CONNECTIVITY_FILE, "manifest", evidence)
     if report.substitution:
         bundle.add_deviation(**report.substitution)
     marker, block = report.marker, backend_of(bundle.result)
@@ -45,9 +52,11 @@ def write_connectivity(bundle: EvidenceBundle, report: ConnectivityReport, optio
     bundle.set_backend(block.model_copy(update={**update, "embedded_server": marker}))
 
 
-def write_restoration(bundle: EvidenceBundle, r: RestorationResult) -> None:
+def write_restoration(bundle: EvidenceBundle, r: restoration.RestorationResult) -> None:
     """The preflight's six files and the result's `initialization_provenance` (a diagnostic's, which
     excludes arms, keeps only what each arm's OWN responses exposed) and its metrics."""
+    from dppo_harness.train.clients import datum_arrays  # the SDK: loaded by the stage already
+
     rows: list[JsonValue] = []
     for d in r.fixed_batch:
         tokens_T, targets_T, mask_T = datum_arrays(d)
@@ -60,22 +69,21 @@ def write_restoration(bundle: EvidenceBundle, r: RestorationResult) -> None:
         "datums": rows,
     }
     bundle.register_json(FIXED_BATCH_FILE, "tensors", batch)
-    stored = r.initial_logprobs
     outputs = {
         "batch_sha256": r.batch_sha256,
-        "dtype": {a: str(lp[0].dtype) for a, lp in stored.items()},
+        "dtype": {a: str(lp[0].dtype) for a, lp in r.initial_logprobs.items()},
         "output_sha256": r.output_sha256,
         "comparison": r.provenance["group"]["initial_output_comparison"],
         "hash": "sha256 over every datum's per-token logprobs at the returned precision; see "
         "restoration.logprobs_sha256",
-        "logprobs": {a: [x.tolist() for x in lp] for a, lp in stored.items()},
+        "logprobs": {a: [x.tolist() for x in lp] for a, lp in r.initial_logprobs.items()},
     }
     bundle.register_json(INITIAL_OUTPUT_FILE, "tensors", outputs)
     bundle.register_json(RESPONSES_FILE, "log", r.responses)
     bundle.register_json(PROBE_FILE, "metrics", r.probe.to_json())
     bundle.register_json(LR_SCALING_FILE, "metrics", r.lr_scaling.to_json())
     bundle.register_json(PROVENANCE_FILE, "manifest", r.provenance)
-    posted: InitializationProvenance = {"version": 1, "arms": r.provenance["arms"]}
+    posted: restoration.InitializationProvenance = {"version": 1, "arms": r.provenance["arms"]}
     if "excluded_arms" in r.provenance:  # a diagnostic: it trains its treatment arm only
         own = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in posted["arms"].items()}
         posted["arms"] = {a: {**e, "optimizer_checks": own[a]} for a, e in posted["arms"].items()}
@@ -84,24 +92,29 @@ def write_restoration(bundle: EvidenceBundle, r: RestorationResult) -> None:
     bundle.update_result(initialization_provenance=posted, metrics=metrics)
 
 
-def write_feasibility(bundle: EvidenceBundle, r: FeasibilityResult) -> None:
+def write_feasibility(bundle: EvidenceBundle, r: feasibility.FeasibilityResult) -> None:
     """The pilot file, the result's `feasibility` block and its metrics."""
     bundle.register_json(PILOT_FILE, "metrics", r.pilot)
-    proj = r.projection
-    metrics = {
-        "feasibility/pilot_wall_seconds": r.wall_seconds,
-        "feasibility/projected_wall_seconds": proj.total_seconds,
-        "feasibility/remaining_wall_budget_seconds": proj.budget_seconds,
-        "feasibility/fits": 1.0 if proj.fits else 0.0,
-    }
-    if proj.gpu_hours is not None:
-        metrics["feasibility/projected_gpu_hours"] = proj.gpu_hours
+    p = r.projection
+    metrics = {"feasibility/pilot_wall_seconds": r.wall_seconds, "feasibility/projected_wall_seconds": p.total_seconds}
+    metrics.update({"feasibility/remaining_wall_budget_seconds": p.budget_seconds, "feasibility/fits": float(p.fits)})
+    if p.gpu_hours is not None:
+        metrics["feasibility/projected_gpu_hours"] = p.gpu_hours
     bundle.update_result(feasibility=r.block, metrics=metrics)
 
 
-def write_gate(bundle: EvidenceBundle, report: GateReport) -> None:
-    """Each pilot step's loss records (journaled as the pilot ran), the report, `activation_calibration`."""
-    for step, npz in report.step_records.items():
-        bundle.register_bytes(f"gate-pilot-step{step}.npz", "tensors", npz)
+def write_gate(bundle: EvidenceBundle, report: gate.GateReport) -> None:
+    """Each pilot step's loss records (as the pilot journaled them), the report, `activation_calibration`."""
+    for e in Journal(bundle).entries("record", "gate"):
+        bundle.register_bytes(f"gate-pilot-step{e.data}.npz", "tensors", e.blob or b"")
     bundle.register_json(GATE_REPORT_FILE, "report", report.to_json())
-    bundle.update_result(activation_calibration=report.calibration())
+    p = report.pilot
+    note = (
+        f"{p['steps_completed']}/{p['steps']}-step pilot of {p['arm']} ({p['loss']}, "
+        f"{p['normalization']}), fresh sampling each step from the current weights, "
+        f"{p['groups_per_batch']} groups x {p['group_size']} at T={p['temperature']}, max_tokens {p['max_tokens']}, "
+        f"{p['updates_per_batch']} complete-group minibatch updates per batch, AdamW lr {p['adam']['learning_rate']:g}; "
+        f"backend {p['backend']}; gate {'passed' if report.passed else 'FAILED'}"
+    )
+    values = {k: (v if v is not None else "missing") for k, v in report.values.items()}
+    bundle.update_result(activation_calibration={"values": values, "note": note})
