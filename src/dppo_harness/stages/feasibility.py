@@ -4,7 +4,7 @@ updates through the arm-step's update phase; greedy samples of a few test items,
 together), then the projection of the whole plan: the pilot's figures applied to the plan's own
 `RunConfig`, scaled by nothing else and with no concurrency assumed, plus a recovery reserve. A
 plan that does not fit fails the stage. A bounded diagnostic runs no pilot
-(`session_rules.runs_feasibility_pilot`): its feasibility block is its own measured setup.
+(`runs_feasibility_pilot`): its feasibility block is its own measured setup.
 """
 
 from __future__ import annotations
@@ -37,6 +37,11 @@ RESERVE_FRACTION = 0.25
 
 class FeasibilityError(RuntimeError):
     """The pilot could not run or the plan lacks what the projection needs."""
+
+
+def runs_feasibility_pilot(plan: Plan) -> bool:
+    """Under a bounded diagnostic plan no extra pilot samples or trains (its budget is fixed)."""
+    return plan.kind != "bounded_diagnostic"
 
 
 def arm_steps(run: RunConfig) -> int:

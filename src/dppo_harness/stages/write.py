@@ -14,6 +14,7 @@ from dppo_harness.train.optimizer_checks import own_response_only
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.service.connectivity import ConnectivityReport
+    from dppo_harness.service.wait.policy import CapacityBlock
     from dppo_harness.stages import feasibility, gate, restoration
 
 RESPONSES_FILE = "restoration-server-responses.json"
@@ -25,6 +26,7 @@ FIXED_BATCH_FILE = "restoration-fixed-batch.json"
 PILOT_FILE = "feasibility-pilot.json"
 GATE_REPORT_FILE = "activation-gate-report.json"
 CONNECTIVITY_FILE = "connectivity-preflight.json"
+NOTHING_TRAINED = "nothing: the run stopped on service capacity before any training"
 
 
 def write_connectivity(bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str) -> None:
@@ -50,6 +52,15 @@ def write_connectivity(bundle: EvidenceBundle, report: ConnectivityReport, optio
     kind_reason = "the service carries the embedded-server marker: a rehearsal on a stand-in model"
     update.update(requested_backend=option_backend, answers_to=report.model, kind_reason=kind_reason)
     bundle.set_backend(block.model_copy(update={**update, "embedded_server": marker}))
+
+
+def write_capacity_stop(bundle: EvidenceBundle, block: CapacityBlock) -> None:
+    """A capacity stop before any arm trained: the result fails inconclusive with the capacity
+    block and, unless a stage already said which hypothesis it tested, says nothing was tested."""
+    fields = block.result_fields()
+    if bundle.result["original_hypothesis_tested"] is None:
+        fields.update(original_hypothesis_tested=False, tested_instead=NOTHING_TRAINED)
+    bundle.update_result(**fields)
 
 
 def write_restoration(bundle: EvidenceBundle, r: restoration.RestorationResult) -> None:
