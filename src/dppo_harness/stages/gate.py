@@ -237,7 +237,7 @@ def run_activation_gate(
             sampled_step, _ = run_arm_step(
                 restored.client, arm, run, loss, step, items, renderer, seed=arm.seed, sampler_name=name, progress=done
             )
-            Journal(bundle).append("gate", "record", f"pilot step {step}", step, ins.records_to_npz(done.records))
+            Journal(bundle).append("gate", "record", f"pilot step {step}", step, blob=ins.records_to_npz(done.records))
             last, y = (done.records[-1].stats if done.records else {}), sampled_step.batch.response_yield()
             say(
                 f"[gate] step {step + 1}/{steps}: {len(done.records)} updates, "
