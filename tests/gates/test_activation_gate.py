@@ -9,14 +9,14 @@ import json
 import pytest
 
 from dppo_harness.evidence import ImmutableNameError
-from dppo_harness.stages import gate
+from dppo_harness.stages import write
 
 
 def test_gate_report_is_its_own_immutable_evidence_file(gate_report, evidence_bundle, plan):
     """The report of the plan's one treatment arm."""
     (treatment,) = plan.spec_plan.run.treatments
     assert gate_report.pilot["arm"] == treatment.name
-    name = gate.GATE_REPORT_FILE
+    name = write.GATE_REPORT_FILE
     entry = evidence_bundle.entry(name)
     assert entry is not None and entry["kind"] == "report"
     on_disk = json.loads(evidence_bundle.file_path(name).read_text())

@@ -35,6 +35,7 @@ from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 from dppo_harness.stages.restoration import build_fixed_batch
+from dppo_harness.stages.write import write_restoration
 from dppo_harness.train.clients import RestorationError
 
 pytestmark = pytest.mark.timeout(900)
@@ -87,7 +88,7 @@ def served(tmp_path):
 
 def _preflight(s, bundle, fixed_batch, **kw):
     batch, desc = fixed_batch
-    return restoration_module.run_restoration_preflight(
+    result = restoration_module.run_restoration_preflight(
         s.sc,
         DIAG,  # trains its treatment arm only
         bundle,
@@ -97,6 +98,8 @@ def _preflight(s, bundle, fixed_batch, **kw):
         lr_multipliers=(1.0, 2.0),
         **kw,
     )
+    write_restoration(bundle, result)
+    return result
 
 
 def test_load_responses_without_path_fail_the_proof_naming_it(served, fixed_batch, tmp_path):

@@ -16,6 +16,7 @@ from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
 from dppo_harness.stages.restoration import build_fixed_batch
+from dppo_harness.stages.write import write_restoration
 from dppo_harness.train.clients import full_logprobs
 from dppo_harness.train.fingerprints import logprobs_sha256
 from dppo_harness.train.restore import Restore
@@ -59,6 +60,7 @@ def _run(server, spec, fixed_batch, tmp_path, sc=None, **kw):
             local_run_dir=server.run_dir,
             **kw,
         )
+        write_restoration(bundle, result)
     finally:
         if own:
             end_session(sc)

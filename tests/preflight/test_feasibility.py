@@ -4,6 +4,7 @@ plan against its budget. A plan that cannot fit fails here, which blocks the lat
 from __future__ import annotations
 
 from dppo_harness.stages import feasibility as feasibility_module
+from dppo_harness.stages.write import PILOT_FILE
 
 
 def test_plan_fits_its_budget(feasibility):
@@ -19,5 +20,5 @@ def test_feasibility_block_written_in_the_brief_shape(feasibility, evidence_bund
     # smaller run on the embedded server is a declared rehearsal plan, never a silent reduction).
     assert m["training"]["planned_units"] == feasibility_module.arm_steps(plan.run)
     assert m["evaluation"]["planned_units"] == feasibility_module.planned_eval_items(plan.run)
-    assert written["source"] == feasibility_module.PILOT_FILE
-    assert evidence_bundle.entry(feasibility_module.PILOT_FILE) is not None
+    assert written["source"] == PILOT_FILE
+    assert evidence_bundle.entry(PILOT_FILE) is not None

@@ -4,7 +4,8 @@ library's measured result; `restoration` runs once and later stages reuse its cl
 from __future__ import annotations
 
 from dppo_harness.stages import restoration as restoration_module
-from dppo_harness.stages.restoration import DEFAULT_LR_MULTIPLIERS, FIXED_BATCH_FILE
+from dppo_harness.stages import write
+from dppo_harness.stages.restoration import DEFAULT_LR_MULTIPLIERS
 from dppo_harness.train.fingerprints import batch_sha256
 from dppo_harness.train.optimizer_checks import own_response_only
 
@@ -78,10 +79,10 @@ def test_provenance_is_in_the_evidence(restoration, evidence_bundle, plan):
         assert set(written["excluded_arms"]) == {a.name for a in plan.spec_plan.run.arms} - {trained}
     names = {f["name"] for f in evidence_bundle.files()}
     assert {
-        restoration_module.PROVENANCE_FILE,
-        FIXED_BATCH_FILE,
-        restoration_module.INITIAL_OUTPUT_FILE,
-        restoration_module.RESPONSES_FILE,
+        write.PROVENANCE_FILE,
+        write.FIXED_BATCH_FILE,
+        write.INITIAL_OUTPUT_FILE,
+        write.RESPONSES_FILE,
     } <= names
 
 

@@ -8,12 +8,14 @@ import socket
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from types import SimpleNamespace
 from urllib.parse import urlsplit
 
 import pytest
 
 from dppo_harness.constants import EMBEDDED_SERVER_HEADER, EMBEDDED_SERVER_MARKER
 from dppo_harness.service.connectivity import ConnectivityError, auth_failure_line, check_connectivity
+from dppo_harness.stages.write import write_connectivity
 
 ENV = {
     "TINKER_API_KEY": "tml-PLANTED-key-7f3a",
@@ -170,10 +172,14 @@ def test_all_checks_pass_and_headers_are_the_sdks(stub_factory):
         "POST /api/v1/client/dynamic_config",
         "GET /api/v1/spindle/deployments",
     ]
-    contact = rep.as_evidence()["first_contact"]
+    files: dict[str, object] = {}
+    write_connectivity(
+        SimpleNamespace(result={}, register_json=lambda n, k, obj: files.update(file=obj)), rep, "tinker"
+    )
+    contact = files["file"]["first_contact"]
     assert contact["client_config"] == {"path": "/api/v1/client/config", "http_status": 200, "body": {}}
     assert contact["spindle_deployments"]["http_status"] == 404  # a stock Tinker service has none: recorded
-    assert json.dumps(rep.as_evidence()).count("PLANTED") == 0
+    assert json.dumps(files["file"]).count("PLANTED") == 0
 
 
 @pytest.mark.parametrize("missing", sorted(ENV))

@@ -37,6 +37,8 @@ def test_a_plan_too_big_for_the_embedded_server_is_told_how_to_rehearse_it():
         block={},
         passed=False,
         failures=["projected 40000 s > remaining budget 7200 s"],
+        pilot={},
+        wall_seconds=0.0,
     )
     assert "rehearsal plan" not in res.failure_message()
     local = feasibility.FeasibilityResult(
@@ -45,6 +47,8 @@ def test_a_plan_too_big_for_the_embedded_server_is_told_how_to_rehearse_it():
         block={},
         passed=False,
         failures=["projected 40000 s > remaining budget 7200 s"],
+        pilot={},
+        wall_seconds=0.0,
         embedded_server=True,
     )
     msg = local.failure_message()

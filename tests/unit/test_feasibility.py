@@ -9,6 +9,7 @@ import pytest
 
 from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.stages import feasibility as feasibility_module
+from dppo_harness.stages.write import PILOT_FILE, write_feasibility
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
@@ -114,7 +115,7 @@ def test_feasibility_block_shape_and_consistency(spec):
         primary_endpoint=spec.raw["primary_endpoint"],
         allocation_source="cpu",
     )
-    assert block["source"] == feasibility_module.PILOT_FILE
+    assert block["source"] == PILOT_FILE
     assert set(block) == {
         "config",
         "effective_config",
@@ -174,25 +175,27 @@ def test_run_feasibility_projects_each_plan_at_its_own_size(spec):
     ev = _FakeEvidence()
     small = load_plan(PLANS.parent / "tests" / "fixtures" / "plans" / "comparison-ci-kill-resume.json")
     res = feasibility_module.run_feasibility(
-        None, small, ev, initial_checkpoint="tinker://x/weights/init", backend_kind="local", timings=_timings()
+        None, small, initial_checkpoint="tinker://x/weights/init", backend_kind="local", timings=_timings()
     )
+    write_feasibility(ev, res)
     assert feasibility_module.planned_eval_items(small.run) == 8
-    assert ev.files[feasibility_module.PILOT_FILE][1]["schedule"]["eval_items"] == 8
+    assert ev.files[PILOT_FILE][1]["schedule"]["eval_items"] == 8
     # arm-step: 2 groups x 2 s + 2 updates x 4 s = 12; 10 + 4 arm-steps x 12 + 8 x 0.5 = 62; x1.25
     assert res.projection.total_seconds == pytest.approx(62 * 1.25) and res.passed
-    assert ev.files[feasibility_module.PILOT_FILE][1]["projection"]["fits"] is True
+    assert ev.files[PILOT_FILE][1]["projection"]["fits"] is True
     assert ev.fields["feasibility"]["config"]["plan_sha256"] == small.sha256
     assert ev.fields["metrics"]["feasibility/fits"] == 1.0
     full = feasibility_module.run_feasibility(
-        None, spec, _FakeEvidence(), initial_checkpoint="i", backend_kind="local", timings=_timings()
+        None, spec, initial_checkpoint="i", backend_kind="local", timings=_timings()
     )
     assert not full.passed and "exceeds the remaining wall budget" in full.failure_message()
 
 
 def test_stage_projections(spec):
-    ev = _FakeEvidence()
-    feasibility_module.run_feasibility(None, spec, ev, initial_checkpoint="i", backend_kind="local", timings=_timings())
-    out = ev.files[feasibility_module.PILOT_FILE][1]["stage_projections_with_reserve"]
+    res = feasibility_module.run_feasibility(
+        None, spec, initial_checkpoint="i", backend_kind="local", timings=_timings()
+    )
+    out = res.pilot["stage_projections_with_reserve"]
     assert out["gate"] == pytest.approx((10.0 + 5 * 72.0) * 1.25)  # the plan's 5-step gate pilot
     assert out["plan"] == pytest.approx((10.0 + 100 * 72.0 + 2638 * 0.5) * 1.25)
 
@@ -201,24 +204,22 @@ def test_a_diagnostic_plan_is_not_piloted():
     diagnostic = load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json")
     with pytest.raises(feasibility_module.FeasibilityError, match="not piloted"):
         feasibility_module.run_feasibility(
-            None, diagnostic, _FakeEvidence(), initial_checkpoint="i", backend_kind="local", timings=_timings()
+            None, diagnostic, initial_checkpoint="i", backend_kind="local", timings=_timings()
         )
 
 
 def test_measured_setup_parts_add_up(small):
-    ev = _FakeEvidence()
     res = feasibility_module.run_feasibility(
         None,
         small,
-        ev,
         initial_checkpoint="i",
         backend_kind="local",
         timings=_timings(),
         measured_setup={"restoration_preflight": 30.0},
     )
     assert res.timings.setup_seconds == 40.0
-    assert ev.fields["feasibility"]["measurements"]["setup"]["seconds"] == 40.0
-    assert ev.fields["feasibility"]["config"]["setup_components_seconds"] == {
+    assert res.block["measurements"]["setup"]["seconds"] == 40.0
+    assert res.block["config"]["setup_components_seconds"] == {
         "create_client_from_initial_checkpoint": 10.0,
         "restoration_preflight": 30.0,
     }
@@ -226,7 +227,6 @@ def test_measured_setup_parts_add_up(small):
         feasibility_module.run_feasibility(
             None,
             small,
-            _FakeEvidence(),
             initial_checkpoint="i",
             backend_kind="local",
             timings=_timings(),

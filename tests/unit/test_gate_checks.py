@@ -197,4 +197,36 @@ def test_a_pilot_client_not_shown_loaded_from_the_initial_checkpoint_fails_the_g
     assert not report.passed and f"pilot client: the load of {init} loaded {other!r}" in report.errors
     assert "pilot stopped: RuntimeError: no renderer here" in report.errors
     assert report.pilot["loaded_checkpoint"] == other and report.pilot["initial_checkpoint"] == init
-    assert bundle.files[gate.GATE_REPORT_FILE]["passed"] is False
+    assert report.to_json()["passed"] is False
+
+
+def test_a_stopped_pilot_keeps_each_finished_step_in_the_journal_and_its_writer_registers_it(monkeypatch, tmp_path):
+    from types import SimpleNamespace as NS
+
+    from tinker import types
+
+    from dppo_harness.evidence import EvidenceBundle
+    from dppo_harness.evidence.journal import Journal
+    from dppo_harness.stages import write
+    from dppo_harness.train.restore import Restore
+
+    init, info = "tinker://m/weights/initial", NS(model_data=NS(model_name="m"))
+    loaded = lambda sc, path, name: Restore(name, NS(), path, types.LoadWeightsResponse(path=init), info, 0.0)  # noqa: E731
+    monkeypatch.setattr(gate, "restore", loaded)
+    monkeypatch.setattr(gate.tokenizer, "make_renderer", lambda: NS(renderer=None))
+    monkeypatch.setattr(gate.dataset, "get", lambda name: NS(load_split=lambda split, seed: NS(batch=lambda s, n: [])))
+
+    def step_then_killed(*args, **kw):  # step 0 ends, step 1 is killed
+        if args[4]:
+            raise RuntimeError("killed")
+        return NS(batch=NS(response_yield=lambda: NS(truncated_frac=0.0, no_answer_frac=0.0))), None
+
+    monkeypatch.setattr(gate, "run_arm_step", step_then_killed)
+    bundle = EvidenceBundle.create(tmp_path)
+    report = gate.run_activation_gate(None, SPEC_PLAN, bundle, init, backend="tinker")
+    (entry,) = Journal(bundle).entries("record", "gate")
+    assert "pilot stopped: RuntimeError: killed" in report.errors and entry.label == "pilot step 0" and entry.blob
+    assert bundle.entry("gate-pilot-step0.npz") is None  # the stage names no file
+    write.write_gate(bundle, report)
+    assert bundle.file_path("gate-pilot-step0.npz").read_bytes() == entry.blob
+    assert bundle.result["activation_calibration"]["note"].endswith("gate FAILED")

@@ -17,6 +17,7 @@ from dppo_harness.service import connectivity, observed
 from dppo_harness.service.connectivity import ConnectivityReport
 from dppo_harness.service.rest import RawResponse
 from dppo_harness.service.wait.waiter import ServiceWaiter, WaitedFuture
+from dppo_harness.stages.write import write_connectivity
 
 ROOT = Path(__file__).resolve().parents[2]
 STAND_IN = "local/tiny-qwen3-gsm8k"
@@ -74,7 +75,7 @@ def _bundle(tmp_path, plan_name="exp_e6b0965af3-diagnostic-r1.json", served=None
 
 def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training(tmp_path):
     b, _plan = _bundle(tmp_path, served=STAND_IN)
-    connectivity.record_session_identity(b, _report(), "tinker")
+    write_connectivity(b, _report(), "tinker")
     r = b.result
     assert r["backend"]["kind"] == "local" and r["backend"]["requested_backend"] == "tinker"
     assert r["backend"]["served_model"] == STAND_IN and r["backend"]["answers_to"] == "Qwen/Qwen3.5-2B"
@@ -90,7 +91,7 @@ def test_embedded_server_on_tinker_backend_is_labelled_rehearsal_before_training
 def test_real_service_is_not_relabelled(tmp_path):
     b, _plan = _bundle(tmp_path)
     sub = {"field": "model", "original": "Qwen/Qwen3.5-0.8B", "effective": "Qwen/Qwen3.5-2B", "reason": "closest"}
-    connectivity.record_session_identity(b, _report(marker=False, substitution=sub), "tinker")
+    write_connectivity(b, _report(marker=False, substitution=sub), "tinker")
     r = b.result
     assert r["backend"]["kind"] == "tinker" and not r["summary"].startswith(REHEARSAL_PREFIX)
     assert sub in r["deviations"]
@@ -109,7 +110,7 @@ def test_creation_future_reports_the_client_once():
 
 def test_recorder_keeps_the_complete_model_data(tmp_path):
     b, _ = _bundle(tmp_path, served=STAND_IN)
-    connectivity.record_session_identity(b, _report(), "tinker")
+    write_connectivity(b, _report(), "tinker")
     full = {"model_id": "m1", "model_data": {"model_name": STAND_IN, "tokenizer_id": "Qwen/Qwen3.5-2B"}}
     answers = {"get_info": RawResponse(200, full, EMBEDDED_SERVER_MARKER)}
     rest = SimpleNamespace(post=lambda *a: answers["get_info"])

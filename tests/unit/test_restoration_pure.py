@@ -13,7 +13,6 @@ from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.plans import load_plan
 from dppo_harness.stages import restoration
 from dppo_harness.stages.restoration import (
-    LR_SCALING_FILE,
     LrScalingMeasured,
     LrScalingUnavailable,
     attach_lr_scaling,
@@ -21,6 +20,7 @@ from dppo_harness.stages.restoration import (
     reference_completion,
     reweighted,
 )
+from dppo_harness.stages.write import LR_SCALING_FILE
 from dppo_harness.train.clients import RestorationError, datum_arrays, make_datum
 from dppo_harness.train.fingerprints import batch_sha256, compare_logprobs, logprobs_sha256
 from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check, server_optimizer_family

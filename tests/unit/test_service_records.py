@@ -2,8 +2,10 @@
 dicts they replace did (same keys, same order, same null-vs-absent)."""
 
 import json
+from types import SimpleNamespace
 
 from dppo_harness.service.connectivity import ConnectivityReport
+from dppo_harness.stages.write import CONNECTIVITY_FILE, write_connectivity
 from dppo_harness.train.fingerprints import compare_logprobs
 from dppo_harness.train.optimizer_checks import OptimizerCheck, optimizer_check, own_response_only
 
@@ -22,7 +24,10 @@ def test_connectivity_evidence_keeps_its_keys_in_order():
         [{"check": "variables", "passed": True, "detail": "set"}],
         1.23456,
     )
-    assert json.dumps(report.as_evidence()) == json.dumps(
+    files: dict[str, object] = {}
+    bundle = SimpleNamespace(result={}, register_json=lambda name, kind, obj: files.update({name: obj}))
+    write_connectivity(bundle, report, "tinker")  # type: ignore[arg-type]  # records the file only
+    assert json.dumps(files[CONNECTIVITY_FILE]) == json.dumps(
         {
             "backend": "tinker",
             "base_url": "https://x.invalid/api",

@@ -1,5 +1,5 @@
-"""The stage fixtures' rules (stages.session_rules): whether the feasibility pilot runs, and a
-capacity stop before training."""
+"""The stage fixtures' rules: whether the feasibility pilot runs, and what a capacity stop before
+training writes."""
 
 from pathlib import Path
 from types import SimpleNamespace
@@ -7,14 +7,14 @@ from typing import Any
 
 from dppo_harness import plans
 from dppo_harness.service.wait.policy import CapacityBlock
-from dppo_harness.stages import session_rules
+from dppo_harness.stages import feasibility, write
 
 PLANS = Path(__file__).resolve().parents[2] / "plans"
 
 
 def test_a_diagnostic_plan_runs_no_feasibility_pilot() -> None:
-    assert not session_rules.runs_feasibility_pilot(plans.load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json"))
-    assert session_rules.runs_feasibility_pilot(plans.load_plan(PLANS / "exp_e6b0965af3.json"))
+    assert not feasibility.runs_feasibility_pilot(plans.load_plan(PLANS / "exp_e6b0965af3-diagnostic-r1.json"))
+    assert feasibility.runs_feasibility_pilot(plans.load_plan(PLANS / "exp_e6b0965af3.json"))
 
 
 def _bundle(tested: bool | None) -> Any:
@@ -26,7 +26,7 @@ def _bundle(tested: bool | None) -> Any:
 def test_a_capacity_stop_before_training_fails_inconclusive_and_says_nothing_was_tested() -> None:
     block = CapacityBlock("at capacity", comparison_steps_completed=0, released_clients=True)
     bundle = _bundle(None)
-    session_rules.record_capacity_stop_before_training(bundle, block)
+    write.write_capacity_stop(bundle, block)
     assert bundle.written == {
         "status": "failed",
         "verdict": "inconclusive",
@@ -36,5 +36,5 @@ def test_a_capacity_stop_before_training_fails_inconclusive_and_says_nothing_was
         "tested_instead": "nothing: the run stopped on service capacity before any training",
     }
     said = _bundle(False)  # a stage already said what it tested: kept
-    session_rules.record_capacity_stop_before_training(said, block)
+    write.write_capacity_stop(said, block)
     assert "tested_instead" not in said.written and said.written["capacity_block"] == block.as_dict()

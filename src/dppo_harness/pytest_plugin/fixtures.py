@@ -28,9 +28,9 @@ from dppo_harness.plans import BackendKind, Plan, load_plan
 from dppo_harness.pytest_plugin.hooks import OPTIONS_KEY, PLAN_KEY, STATE_KEY, HarnessOptions, session_connectivity
 from dppo_harness.service.config import sdk_versions
 from dppo_harness.service.wait.policy import CapacityExhausted, ServiceDied, ServiceStopped
+from dppo_harness.stages import write
 from dppo_harness.stages.comparison.config import ComparisonError, comparison_schedule
 from dppo_harness.stages.comparison.wall_guard import wall_guard_from_feasibility
-from dppo_harness.stages.session_rules import record_capacity_stop_before_training, runs_feasibility_pilot
 
 if TYPE_CHECKING:
     import tinker
@@ -255,10 +255,8 @@ def evidence_bundle(
         test_files=sorted({str(it.path) for it in request.session.items}),
         served_model=served,
     )
-    from dppo_harness.service.connectivity import record_session_identity  # lazy: see the module docstring
-
     # the connectivity report; on the embedded server (marker), the rehearsal label.
-    record_session_identity(bundle, connectivity, harness_options.backend)
+    write.write_connectivity(bundle, connectivity, harness_options.backend)
     return bundle
 
 
@@ -311,7 +309,7 @@ def restoration(service_client: tinker.ServiceClient, harness: Harness, client_b
         try:
             # Each step says so; a step that blocks long repeats itself every 10 s (progress.Watchdog).
             with Watchdog(h.say, every_s=10.0) as watch:
-                return restoration_module.run_restoration_preflight(
+                result = restoration_module.run_restoration_preflight(
                     service_client,
                     h.plan,
                     h.bundle,
@@ -322,10 +320,12 @@ def restoration(service_client: tinker.ServiceClient, harness: Harness, client_b
                     registry=h.registry,
                     progress=watch.say,
                 )
+            write.write_restoration(h.bundle, result)
+            return result
         except restoration_module.RestorationError as exc:  # a response without a field the proof needs
             line = f"restoration preflight: {exc}"
         except CapacityExhausted as exc:  # the run ends with its capacity_block
-            record_capacity_stop_before_training(h.bundle, exc.block)
+            write.write_capacity_stop(h.bundle, exc.block)
             raise  # a ServiceStopped: stops_stage fails the test with its one line
     pytest.fail(line, pytrace=False)  # outside the except: the line without a chained traceback
 
@@ -344,23 +344,22 @@ def feasibility(
     harness: Harness, verified_restoration: RestorationResult, connectivity: ConnectivityReport
 ) -> FeasibilityResult:
     """The timing pilot + projection of the selected plan on this backend (runs once)."""
+    from dppo_harness.stages import feasibility as feasibility_module  # lazy: see the module docstring
+
     h = harness
-    if not runs_feasibility_pilot(h.plan):
+    if not feasibility_module.runs_feasibility_pilot(h.plan):
         pytest.skip("bounded diagnostic plan: feasibility is measured by the diagnostic itself (no extra pilot)")
     arm_client = next(iter(verified_restoration.clients.values()))
     # The plan is projected at its own size on every backend: the stages run it as written. Time
     # already spent in this session is the budget ledger's business (evidence.budget_allows per stage).
     eff = effective_config(h.plan, backend_info(h.backend, h.plan, arm_client))
-    from dppo_harness.stages import feasibility as feasibility_module  # lazy: see the module docstring
-
     with (
         h.stage_session("feasibility-pilot", "feasibility timing pilot (closed when the pilot ends)") as pilot_sc,
         Watchdog(h.say, every_s=10.0) as watch,
     ):
-        return feasibility_module.run_feasibility(
+        result = feasibility_module.run_feasibility(
             pilot_sc,
             h.plan,
-            h.bundle,
             initial_checkpoint=verified_restoration.initial_checkpoint,
             backend_kind=h.backend.kind,
             effective_config=eff,
@@ -368,6 +367,8 @@ def feasibility(
             progress=watch.say,
             embedded_server=connectivity.embedded,
         )
+        write.write_feasibility(h.bundle, result)
+    return result
 
 
 @pytest.fixture(scope="session")
@@ -379,9 +380,11 @@ def gate_report(harness: Harness, restoration: RestorationResult) -> GateReport:
 
     h = harness
     with h.stage_session("gate-pilot", "activation-gate pilot (closed when the pilot ends)") as pilot_sc:
-        return run_activation_gate(
+        report = run_activation_gate(
             pilot_sc, h.plan, h.bundle, restoration.initial_checkpoint, backend=h.backend.kind, progress=h.say
         )
+        write.write_gate(h.bundle, report)
+    return report
 
 
 @pytest.fixture(scope="session")

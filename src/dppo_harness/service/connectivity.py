@@ -8,7 +8,7 @@ and recorded as sent: `client/config` (the SDK's first request), `client/dynamic
 `get_server_capabilities` (raw keeps the embedded server's marker, which the SDK's type drops) and
 `spindle/deployments` where served (which models train LoRA: capabilities do not say).
 The embedded server's marker (a header and a capabilities key) makes the session's backend block
-a rehearsal's (`record_session_identity`): which server and profile ran.
+a rehearsal's (`stages.write.write_connectivity`): which server and profile ran.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import re
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, TypedDict
+from typing import TypedDict
 
 import httpx
 import tinker
 from pydantic import JsonValue, ValidationError
 
 from dppo_harness.constants import EMBEDDED_SERVER_MARKER
-from dppo_harness.evidence.backend import EMBEDDED_KEY, EmbeddedServer, backend_of
+from dppo_harness.evidence.backend import EMBEDDED_KEY, EmbeddedServer
 from dppo_harness.json_types import JsonObject
 from dppo_harness.plans import BackendKind
 from dppo_harness.service.config import (
@@ -48,9 +48,6 @@ from dppo_harness.service.rest import (
 )
 from dppo_harness.service.wait.policy import ServiceConfigError
 from dppo_harness.service.wait.waiter import run_beside
-
-if TYPE_CHECKING:
-    from dppo_harness.evidence.bundle import EvidenceBundle
 
 logger = logging.getLogger(__name__)
 _HEADER_IN_ERROR = re.compile(r"header\s+([A-Za-z][A-Za-z0-9-]*)", re.IGNORECASE)
@@ -144,18 +141,6 @@ class ConnectivityReport:
         """The base model every stage creates clients with: the preflight's choice (possibly a recorded
         substitute) for the model it checked, any other model as it is. The only place that resolves it."""
         return self.model if requested_model == self.requested_model else requested_model
-
-    def as_evidence(self) -> JsonObject:
-        """connectivity-preflight.json."""
-        head = ("backend", "base_url", "requested_model", "model", "served_models", "substitution")
-        return {
-            **{k: getattr(self, k) for k in head},
-            "embedded_server": self.marker.model_dump() if self.marker else None,
-            "get_server_capabilities": self.capabilities,
-            "first_contact": self.first_contact,
-            "checks": list(self.checks),
-            "seconds": round(self.seconds, 3),
-        }
 
 
 def auth_failure_line(status: int, payload: JsonValue, url: str, proxy_tokens: ProxyTokens = "modal") -> str:
@@ -404,20 +389,3 @@ def check_connectivity(
     return ConnectivityReport(
         backend, target.shown, requested_model, model, served, substitution, marker, caps.json, contact, checks, seconds
     )
-
-
-def record_session_identity(bundle: EvidenceBundle, report: ConnectivityReport, option_backend: str) -> None:
-    """Before any training client: the connectivity report, a model choice, and on the embedded
-    server (its marker) the backend block of kind `local`, whatever `--backend` said, which labels
-    every summary a rehearsal and says which server and profile ran."""
-    bundle.register_json("connectivity-preflight.json", "manifest", report.as_evidence())
-    if report.substitution:
-        bundle.add_deviation(**report.substitution)
-    marker, block = report.marker, backend_of(bundle.result)
-    if marker is None or block is None:
-        return
-    # The session's block keeps the model the experiment is about and the SDK versions.
-    update = dict(kind="local", served_model=marker.stand_in or block.served_model, base_url=report.base_url)
-    kind_reason = "the service carries the embedded-server marker: a rehearsal on a stand-in model"
-    update.update(requested_backend=option_backend, answers_to=report.model, kind_reason=kind_reason)
-    bundle.set_backend(block.model_copy(update={**update, "embedded_server": marker}))

@@ -4,7 +4,7 @@ updates through the arm-step's update phase; greedy samples of a few test items,
 together), then the projection of the whole plan: the pilot's figures applied to the plan's own
 `RunConfig`, scaled by nothing else and with no concurrency assumed, plus a recovery reserve. A
 plan that does not fit fails the stage. A bounded diagnostic runs no pilot
-(`session_rules.runs_feasibility_pilot`): its feasibility block is its own measured setup.
+(`runs_feasibility_pilot`): its feasibility block is its own measured setup.
 """
 
 from __future__ import annotations
@@ -25,19 +25,23 @@ from dppo_harness.data import dataset, tokenizer
 from dppo_harness.json_types import JsonObject, as_object
 from dppo_harness.rollout import rollouts
 from dppo_harness.stages.arm_step import ArmStepProgress, make_loss, rollout_config, run_arm_updates
+from dppo_harness.stages.write import PILOT_FILE
 
 if TYPE_CHECKING:
-    from dppo_harness.evidence import EvidenceBundle
     from dppo_harness.plans import Plan, RunConfig
 
 PILOT_GROUPS, PILOT_UPDATES, PILOT_EVAL_ITEMS = 2, 2, 4  # train groups sampled, updates per arm, test items
 
 RESERVE_FRACTION = 0.25
-PILOT_FILE = "feasibility-pilot.json"
 
 
 class FeasibilityError(RuntimeError):
     """The pilot could not run or the plan lacks what the projection needs."""
+
+
+def runs_feasibility_pilot(plan: Plan) -> bool:
+    """Under a bounded diagnostic plan no extra pilot samples or trains (its budget is fixed)."""
+    return plan.kind != "bounded_diagnostic"
 
 
 def arm_steps(run: RunConfig) -> int:
@@ -219,6 +223,8 @@ class FeasibilityResult:
     block: JsonObject  # the result's `feasibility` block
     passed: bool
     failures: list[str]
+    pilot: JsonObject  # the pilot file: schedule, timings, what was piloted, projection, checks
+    wall_seconds: float
     embedded_server: bool = False  # the embedded server computed the pilot (the hint below)
 
     def failure_message(self) -> str:
@@ -321,7 +327,6 @@ def run_timing_pilot(
 def run_feasibility(
     service_client: tinker.ServiceClient,
     plan: Plan,
-    bundle: EvidenceBundle,
     *,
     initial_checkpoint: str,
     backend_kind: str,
@@ -331,8 +336,8 @@ def run_feasibility(
     progress: Callable[[str], None] | None = None,
     embedded_server: bool = False,
 ) -> FeasibilityResult:
-    """Pilot (unless `timings` is given), project `plan` at its own schedule (a smaller run is a
-    smaller plan), write the pilot file and the result's `feasibility` block and metrics.
+    """Pilot (unless `timings` is given) and project `plan` at its own schedule (a smaller run is a
+    smaller plan).
     `measured_setup` adds other measured setup phases ({"restoration_preflight": seconds})."""
     run = plan.run
     if run is None:
@@ -379,7 +384,7 @@ def run_feasibility(
     # For the budget ledger's per-stage check: the whole plan and the gate's pilot (its steps of
     # sampling + updates_per_batch updates), with the reserve.
     gate_s = (timings.setup_seconds + run.gate_pilot_steps * proj.arm_step_seconds) * (1 + RESERVE_FRACTION)
-    record = {
+    record: JsonObject = {
         "schedule": schedule,
         "timings": asdict(timings),
         "pilot": details,
@@ -387,18 +392,10 @@ def run_feasibility(
         "stage_projections_with_reserve": {"plan": proj.total_seconds, "gate": gate_s},
         "feasibility_check": feasibility_check(proj, known_gpu_hours=0.0 if gpu_count == 0 else None),
     }
-    bundle.register_json(PILOT_FILE, "metrics", record)
-    metrics = {
-        "feasibility/pilot_wall_seconds": time.perf_counter() - t0,
-        "feasibility/projected_wall_seconds": proj.total_seconds,
-        "feasibility/remaining_wall_budget_seconds": proj.budget_seconds,
-        "feasibility/fits": 1.0 if proj.fits else 0.0,
-    }
-    if proj.gpu_hours is not None:
-        metrics["feasibility/projected_gpu_hours"] = proj.gpu_hours
-    bundle.update_result(feasibility=block, metrics=metrics)
     failures = [p for p in proj.problems if not p.startswith("GPU-hours not projected")] if not proj.fits else []
-    return FeasibilityResult(timings, proj, block, proj.fits, failures, embedded_server)
+    return FeasibilityResult(
+        timings, proj, block, proj.fits, failures, record, time.perf_counter() - t0, embedded_server
+    )
 
 
 def gpu_allocation(backend_kind: str) -> tuple[int | None, str | None]:

@@ -2,7 +2,8 @@
 pilot length the gate states, as the comparison's arm-step (`arm_step.run_arm_step`). Each gate
 metric is the loss-call statistic its registered loss names (`loss_registry.GateMetric`, which
 also defines it for the report) on the last update of each pilot step; every check of the plan is
-evaluated (`checks.Bounds`), and a value outside its range or missing fails the gate. The report is its own immutable evidence file.
+evaluated (`checks.Bounds`), and a value outside its range or missing fails the gate. Each step's
+loss records are journaled as it ends.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ if TYPE_CHECKING:
     from dppo_harness.plans import ArmConfig, Plan, RunConfig
     from dppo_harness.plans.models import GateCheck
 
-GATE_REPORT_FILE = "activation-gate-report.json"
 # One pilot step's row in the report: step, optimizer steps, whether its last update was recorded,
 # that update's loss-call statistics and the step's rollout yield.
 PilotStepRow = dict[str, float | int | bool]
@@ -169,18 +169,6 @@ class GateReport:
             }
         )
 
-    def calibration(self) -> JsonObject:
-        p = self.pilot
-        values = {k: (v if v is not None else "missing") for k, v in self.values.items()}
-        note = (
-            f"{p['steps_completed']}/{p['steps']}-step pilot of {p['arm']} ({p['loss']}, "
-            f"{p['normalization']}), fresh sampling each step from the current weights, "
-            f"{p['groups_per_batch']} groups x {p['group_size']} at T={p['temperature']}, max_tokens {p['max_tokens']}, "
-            f"{p['updates_per_batch']} complete-group minibatch updates per batch, AdamW lr {p['adam']['learning_rate']:g}; "
-            f"backend {p['backend']}; gate {'passed' if self.passed else 'FAILED'}"
-        )
-        return {"values": values, "note": note}
-
 
 def run_activation_gate(
     service_client: tinker.ServiceClient,
@@ -191,10 +179,9 @@ def run_activation_gate(
     backend: str,
     progress: Callable[[str], None] | None = None,
 ) -> GateReport:
-    """Pilot the plan's treatment arm on a client restored from the shared initial checkpoint,
-    evaluate every check of the plan's gate, write the report, the per-step tensors and
-    `activation_calibration`. A pilot stopping early is recorded in `errors`, and the gate then
-    fails on the missing values."""
+    """Pilot the plan's treatment arm on a client restored from the shared initial checkpoint and
+    evaluate every check of the plan's gate. A pilot stopping early is recorded in `errors`, and
+    the gate then fails on the missing values."""
     say = progress or (lambda _msg: None)
     t0 = time.monotonic()
     run = plan.spec_plan.spec_run
@@ -227,12 +214,12 @@ def run_activation_gate(
             sampled_step, _ = run_arm_step(
                 restored.client, arm, run, loss, step, items, renderer, seed=arm.seed, sampler_name=name, progress=done
             )
-            bundle.register_bytes(f"gate-pilot-step{step}.npz", "tensors", ins.records_to_npz(done.records))
-            last, y = (done.records[-1].stats if done.records else {}), sampled_step.batch.response_yield()
+            bundle.journal.append("gate", "record", f"pilot step {step}", step, blob=ins.records_to_npz(done.records))
+            last, y = (done.records[-1].stats if done.records else None), sampled_step.batch.response_yield()
             say(
                 f"[gate] step {step + 1}/{steps}: {len(done.records)} updates, "
-                + (f"{own.verb} frac {last.get(own.fraction(), float('nan')):.4g}, " if own else "")
-                + f"|p-q| q90 {last.get('drift/abs_p90', float('nan')):.4g}, "
+                + (f"{own.verb} frac {last[own.fraction()] if last else float('nan'):.4g}, " if own else "")
+                + f"|p-q| q90 {last.drift_abs_p90 if last else float('nan'):.4g}, "
                 f"truncated {y.truncated_frac:.2f}, no answer {y.no_answer_frac:.2f}, "
                 f"elapsed {time.monotonic() - t0:.0f}s"
             )
@@ -263,7 +250,7 @@ def run_activation_gate(
         "executed_base_model_source": base_model_source,
         "rollout_yield": answer_yield.pooled(yields).as_dict() if yields else None,
     }
-    report = GateReport(
+    return GateReport(
         passed=all(r.passed for r in results) and not errors,
         checks=results,
         values=values,
@@ -273,6 +260,3 @@ def run_activation_gate(
         wall_seconds=time.monotonic() - t0,
         errors=errors,
     )
-    bundle.register_json(GATE_REPORT_FILE, "report", report.to_json())
-    bundle.update_result(activation_calibration=report.calibration())
-    return report

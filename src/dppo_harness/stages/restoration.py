@@ -32,9 +32,10 @@ from dppo_harness.loss.correctness import lr_scaling_error
 from dppo_harness.service.observed import create_from_state_with_response, describe_client
 from dppo_harness.service.wait.policy import call_with_capacity_retry, error_text, is_capacity_error
 from dppo_harness.service.wait.waiter import name_client
+from dppo_harness.stages.write import INITIAL_OUTPUT_FILE, LR_SCALING_FILE, PROBE_FILE, RESPONSES_FILE
 from dppo_harness.train.clients import RestorationError, datum_arrays, dump_response, full_logprobs
 from dppo_harness.train.fingerprints import LOGPROB_ATOL, batch_sha256, compare_logprobs, logprobs_sha256
-from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check, own_response_only
+from dppo_harness.train.optimizer_checks import echoed_config, optimizer_check
 from dppo_harness.train.restore import Restore, restore
 from dppo_harness.train.weights_readback import ExternalWeightsUpdateNorm, update_norm_from_tensors
 
@@ -46,13 +47,6 @@ if TYPE_CHECKING:
     from dppo_harness.plans.models import RestorationArm
     from dppo_harness.service.observed import ClientRegistry
     from dppo_harness.service.wait.policy import WaitPolicy
-
-RESPONSES_FILE = "restoration-server-responses.json"
-PROBE_FILE = "restoration-probe.json"
-PROVENANCE_FILE = "initialization-provenance.json"
-LR_SCALING_FILE = "lr-scaling-probe.json"
-INITIAL_OUTPUT_FILE = "restoration-initial-logprobs.json"
-FIXED_BATCH_FILE = "restoration-fixed-batch.json"
 
 
 @dataclass
@@ -154,6 +148,9 @@ class RestorationResult:
     probe: RestoreProbeResult
     wall_seconds: float
     loaded: dict[str, Restore]  # each loaded arm: client, load response, get_info
+    batch_description: JsonObject | None
+    initial_logprobs: dict[str, list[np.ndarray]]  # per arm (and the setup client's), before any update
+    responses: dict[str, JsonValue]  # the server's responses the provenance cites, by reference id
 
     @property
     def clients(self) -> dict[str, tinker.TrainingClient]:
@@ -561,29 +558,6 @@ def build_fixed_batch(
     return batch, {"items": described, "renderer": bundle.provenance, "seed": seed}
 
 
-def register_fixed_batch(
-    bundle: EvidenceBundle, fixed_batch: Sequence[tinker.Datum], description: JsonObject | None
-) -> str:
-    """The fixed batch as evidence; returns its sha256."""
-    b_sha = batch_sha256(fixed_batch)
-    rows: list[JsonValue] = []
-    for d in fixed_batch:
-        tokens_T, targets_T, mask_T = datum_arrays(d)
-        rows.append({"input_tokens": tokens_T.tolist(), "target_tokens": targets_T.tolist(), "mask": mask_T.tolist()})
-    bundle.register_json(
-        FIXED_BATCH_FILE,
-        "tensors",
-        {
-            "batch_sha256": b_sha,
-            "hash": "sha256 over each datum's int64 input ids, int64 target ids and float32 mask (weights), "
-            "length-prefixed; see restoration.batch_sha256",
-            "description": description,
-            "datums": rows,
-        },
-    )
-    return b_sha
-
-
 # A refusal to overwrite names the existing checkpoint; other failures of the duplicate save
 # (timeouts, 5xx, capacity, connection errors) say nothing about immutability.
 OVERWRITE_REFUSAL_RE = re.compile(r"already exists|exists already|overwrit|immutable", re.IGNORECASE)
@@ -691,15 +665,11 @@ def adapter_hashes(
 
 
 def initial_outputs(
-    bundle: EvidenceBundle,
-    arms: Mapping[str, Restore],
-    fixed_batch: Sequence[tinker.Datum],
-    b_sha: str,
-    source: Sequence[np.ndarray] | None = None,
-) -> tuple[dict[str, str], JsonObject, list[str]]:
-    """Step 3: each arm's logprobs on the fixed batch before any update: their sha256, the
-    comparisons with the first (a single arm's with `source`, the setup client's, so the check can
-    still fail) and every pair outside the tolerance."""
+    arms: Mapping[str, Restore], fixed_batch: Sequence[tinker.Datum], source: Sequence[np.ndarray] | None = None
+) -> tuple[dict[str, list[np.ndarray]], dict[str, str], JsonObject, list[str]]:
+    """Step 3: each arm's logprobs on the fixed batch before any update (a single arm's with
+    `source`, the setup client's, so the check can still fail), their sha256, the comparisons with
+    the first and every pair outside the tolerance."""
     stored = {a: full_logprobs(r.client, fixed_batch) for a, r in arms.items()}
     out_sha = {a: logprobs_sha256(lp) for a, lp in stored.items()}
     if source is not None:
@@ -715,20 +685,7 @@ def initial_outputs(
                 f"initial logprobs differ between {first} and {other}: max |diff| "
                 f"{c['max_abs_diff']} > {LOGPROB_ATOL}" + (f" ({c['problem']})" if "problem" in c else "")
             )
-    bundle.register_json(
-        INITIAL_OUTPUT_FILE,
-        "tensors",
-        {
-            "batch_sha256": b_sha,
-            "dtype": {a: str(lp[0].dtype) for a, lp in stored.items()},
-            "output_sha256": out_sha,
-            "comparison": cmp,
-            "hash": "sha256 over every datum's per-token logprobs at the returned precision; see "
-            "restoration.logprobs_sha256",
-            "logprobs": {a: [x.tolist() for x in lp] for a, lp in stored.items()},
-        },
-    )
-    return out_sha, cmp, failures
+    return stored, out_sha, cmp, failures
 
 
 def run_restoration_preflight(
@@ -775,7 +732,7 @@ def run_restoration_preflight(
     batch = list(fixed_batch)
     if len(batch) < 2:
         raise RestorationError("fixed batch needs at least 2 datums (two distinct fixed gradients)")
-    b_sha = register_fixed_batch(bundle, batch, fixed_batch_description)
+    b_sha = batch_sha256(batch)
     retry = partial(call_with_capacity_retry, policy=capacity, registry=registry)
     call: CallWrapper = retry if capacity is not None else (lambda fn: fn())
     rec, probe_sc = Recorder(), probe_service_client or service_client
@@ -797,7 +754,7 @@ def run_restoration_preflight(
     reader = None if local_run_dir is None else LocalCheckpointReader(local_run_dir)
     adapters, adapter_method, failures = adapter_hashes(reader, loaded, tag, rec)
     say(f"3/6: initial logprobs of {len(names)} arms on the fixed batch ({len(batch)} datums)")
-    out_sha, comparison, output_failures = initial_outputs(bundle, loaded, batch, b_sha, source=source_lp)
+    stored, out_sha, comparison, output_failures = initial_outputs(loaded, batch, source=source_lp)
     failures += output_failures
 
     # Step 4: the setup client (uninterrupted) vs a create-save-restore client on the first trained
@@ -823,7 +780,7 @@ def run_restoration_preflight(
             same.echo_observed_on = same.uninterrupted_client = (
                 f"a fresh client from the initial checkpoint, nothing applied before update 1 (arm {a}'s config)"
             )
-            probe.own_config_probes[a] = same  # written with the step-4 probe (PROBE_FILE)
+            probe.own_config_probes[a] = same  # written with the step-4 probe
         probes[a] = same
     failures += probe.failures + [f"{a}: {m}" for a, r in probe.own_config_probes.items() for m in r.failures]
 
@@ -881,14 +838,7 @@ def run_restoration_preflight(
     if isinstance(lr_block, LrScalingMeasured) and not lr_block.passed:
         failures.append(f"LR scaling: {lr_block.problem}")
     say(f"{'passed' if not failures else 'FAILED'}" + (f": {len(failures)} problem(s)" if failures else ""))
-    # The result's initialization_provenance has `version` and `arms`, and when some arm does not
-    # train also `excluded_arms`, each posted check keeping only what the arm's OWN responses exposed.
-    excluded = {a: EXCLUDED_REASON for a in group if a not in names}
-    posted: InitializationProvenance = {"version": 1, "arms": arms}
-    if diagnostic:
-        mine = {a: [as_object(own_response_only(c)) for c in e["optimizer_checks"]] for a, e in arms.items()}
-        posted = {"version": 1, "arms": {a: {**e, "optimizer_checks": mine[a]} for a, e in arms.items()}}
-        posted["excluded_arms"] = excluded
+    excluded = {a: EXCLUDED_REASON for a in group if a not in names}  # a diagnostic's other arms
     provenance: InitializationProvenance = {"version": 1, "arms": arms}
     if excluded:
         provenance["excluded_arms"] = excluded
@@ -901,13 +851,6 @@ def run_restoration_preflight(
         "server_responses": RESPONSES_FILE,
     }
     provenance["passed"], provenance["failures"] = not failures, list(failures)
-    bundle.register_json(RESPONSES_FILE, "log", rec.responses)
-    bundle.register_json(PROBE_FILE, "metrics", probe.to_json())
-    bundle.register_json(LR_SCALING_FILE, "metrics", lr_block.to_json())
-    bundle.register_json(PROVENANCE_FILE, "manifest", provenance)
-    wall = time.monotonic() - t0
-    metrics = {"preflight/restoration_wall_seconds": wall, "preflight/restoration_passed": float(not failures)}
-    bundle.update_result(initialization_provenance=posted, metrics=metrics)
     return RestorationResult(
         initial_checkpoint=shared.path,
         loaded=loaded,
@@ -918,5 +861,8 @@ def run_restoration_preflight(
         failures=failures,
         lr_scaling=lr_block,
         probe=probe,
-        wall_seconds=wall,
+        wall_seconds=time.monotonic() - t0,
+        batch_description=fixed_batch_description,
+        initial_logprobs=stored,
+        responses=rec.responses,
     )

@@ -22,7 +22,7 @@ from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
 from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import RunState, checkpoint_record_sha256, hold_run_lock, state_path
-from dppo_harness.stages.gate import GATE_REPORT_FILE
+from dppo_harness.stages.write import GATE_REPORT_FILE
 
 if TYPE_CHECKING:
     from dppo_harness.evidence import EvidenceBundle
