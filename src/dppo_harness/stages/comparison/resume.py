@@ -36,7 +36,7 @@ def _registry(run_dir: Path) -> dict[str, dict[str, Any]]:
     return {f["name"]: f for f in result["evidence"]["files"]}
 
 
-def snapshot_ref(run_id: str, entry: Entry) -> dict[str, Any]:
+def snapshot_ref(run_id: str, entry: Entry) -> dict[str, str | int]:
     """A journaled result snapshot as a later session names it: its line's sha256 (`Entry.sha256`)."""
     return {"run_id": run_id, "seq": entry.seq, "sha256": entry.sha256}
 

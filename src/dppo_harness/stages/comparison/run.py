@@ -220,12 +220,12 @@ def run_comparison(
 
         state.save(spath)
         # the training's files, stopped or not: the run's manifest, its rows, its state after training
-        files = [f"comparison-run-{state.resumed}.json", STEPS_FILE, f"comparison-state-r{state.resumed}-end.json"]
-        if state.resumed:
-            files[1] = f"{STEPS_FILE.removesuffix('.jsonl')}-{state.resumed}.jsonl"
+        r = state.resumed
+        files = [f"comparison-run-{r}.json", f"comparison-steps-{r}.jsonl" if r else STEPS_FILE]
+        files.append(f"comparison-state-r{r}-end.json")
         manifest = {
             "run_id": state.run_id,
-            "resumed_sessions": state.resumed,
+            "resumed_sessions": r,
             "sessions": state.sessions,
             "resumes": state.resumes,
             "save_every": save_every,

@@ -77,7 +77,7 @@ class RunState:
     sessions: list[dict[str, str]] = field(default_factory=list)
     # The journaled result snapshot holding the setup (preflight + gate) evidence the run started from:
     # {run_id, seq, sha256} of its journal entry (`resume.snapshot_ref`).
-    setup_snapshot: dict[str, Any] | None = None
+    setup_snapshot: dict[str, str | int] | None = None
     # Per arm, the preflight's restore_count and optimizer checks (what later restores count on).
     setup_provenance: dict[str, Any] = field(default_factory=dict)
     resumes: list[dict[str, Any]] = field(default_factory=list)  # per resume: session, from_step, continued
