@@ -430,7 +430,7 @@ class Arms:
             )
             arm.record_save(state.run_id, arm.steps_done, saved.result().path)
         state.rows.append(row)
-        self.journal.append("comparison", "row", f"{name}-s{row['step']}", as_object(row))
+        self.journal.append("comparison", "row", f"{name}-s{row['step']}", ins.nan_free(row))  # NaN as null
         state.save(self.spath)
         done = arm.steps_done
         if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
