@@ -6,8 +6,9 @@ with `--resume RUN_ID`. With the default `--save-every` (5) no step was saved ye
 between saves, and the resume rewinds to the shared initial checkpoint and trains step 0 again.
 
 - nothing of the killed run is left running; its bundle stays `status: running` and verifies;
+- the killed run keeps its journal (the rows of the steps before the kill, its snapshots);
 - the resumed session reruns neither the preflight nor the gate, reuses their evidence, names
-  the run and session it continues with that session's last snapshot, and its bundle passes
+  the run and session it continues with that session's last journaled snapshot, and its bundle passes
   `python -m dppo_harness.evidence verify`;
 - its per-step rows equal an uninterrupted run's from the same initial checkpoint (computed here
   on the same server state): token-derived fields exactly, logprob-derived floats within
@@ -37,6 +38,7 @@ from server_in_process import ServerInProcess
 
 from dppo_harness.data import gsm8k, tokenizer
 from dppo_harness.evidence import verify_bundle
+from dppo_harness.evidence.journal import read_entries
 from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import ClientRegistry, create_from_state_with_response, make_service_client
 from dppo_harness.stages.comparison.run import make_loss, run_arm_step
@@ -86,7 +88,7 @@ def _group_alive(pgid: int) -> bool:
 
 def _run_and_kill(evidence: Path, cwd: Path) -> tuple[list[str], float]:
     """Start the comparison; SIGKILL its process group when both arms reported step KILL_AFTER
-    (reported after the step's state was saved and registered)."""
+    (reported after the step's row was journaled)."""
     t0 = time.monotonic()
     proc = subprocess.Popen(
         _command(evidence),
@@ -169,9 +171,11 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     assert all(a["steps_done"] == KILL_AFTER and str(KILL_AFTER) not in a["saves"] for a in state["arms"].values()), (
         state
     )
-    killed_files = [f["name"] for f in json.loads((killed / "result.json").read_text())["evidence"]["files"]]
-    last_snapshot = sorted(n for n in killed_files if n.startswith("result-"))[-1]
-    assert f"comparison-state-r0-s{KILL_AFTER}.json" not in killed_files  # killed between saves
+    journal = read_entries(killed / "journal.jsonl")  # what the kill left: every entry appended before it
+    last_snapshot = [e for e in journal if e.kind == "snapshot"][-1]
+    assert f"s{KILL_AFTER}" not in [e.label for e in journal if e.kind == "state"]  # killed between saves
+    rows = {(e.data["arm"], e.data["step"]) for e in journal if e.kind == "row"}
+    assert {(a, s) for a in state["arms"] for s in range(KILL_AFTER)} <= rows
 
     t0 = time.monotonic()
     resumed_proc = subprocess.run(
@@ -202,7 +206,11 @@ def test_sigkilled_comparison_resumes_into_a_bundle_that_verifies(tmp_path):
     resume = prov["resume"]
     assert resume["comparison_run"] == killed_id and resume["resumed_times"] == 1 and resume["from_step"] == FROM_STEP
     assert resume["continues_session"]["run_id"] == killed_id and resume["continues_session"]["status"] == "running"
-    assert resume["continues_session"]["last_snapshot"]["name"] == last_snapshot
+    assert resume["continues_session"]["last_snapshot"] == {
+        "run_id": killed_id,
+        "seq": last_snapshot.seq,
+        "sha256": last_snapshot.sha256,
+    }
     for arm in state["arms"]:  # the checkpoint each arm actually loaded: the shared initial state
         assert prov["arms"][arm]["loaded_checkpoint_uri"] == state["initial_checkpoint"]
     manifest = json.loads((resumed / "files" / resume["evidence_ref"]).read_text())

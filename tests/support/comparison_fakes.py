@@ -90,7 +90,7 @@ def run_fake(tmp_path: Path, monkeypatch: Any, steps: int, arm_step: Any = updat
         clients=clients,
         provenance={"arms": {a.name: {"restore_count": 1, "optimizer_checks": []} for a in plan.run.arms}},
     )
-    bundle = EvidenceBundle.create(tmp_path / "runs", "fake")
+    bundle = kwargs.pop("bundle", None) or EvidenceBundle.create(tmp_path / "runs", "fake")
     kwargs.setdefault("capacity_policy", WaitPolicy.from_options(env={CAPACITY_SCALE_VAR: "1e-4"}))  # backoff in ms
     result = comparison_run.run_comparison(
         object(), plan, bundle, restoration, backend="local", state_root=tmp_path / "state", **kwargs

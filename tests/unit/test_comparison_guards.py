@@ -8,6 +8,8 @@ import pytest
 from comparison_fakes import PLAN, row, run_fake
 from tinker import types
 
+from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence.journal import Journal, read_entries
 from dppo_harness.service.rest import RawResponse
 from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.config import ComparisonError, OptimizerMismatch, comparison_schedule
@@ -101,7 +103,7 @@ class _Session:
         return RawResponse(200, self.raw, None)
 
 
-def _restore(monkeypatch, info, path="tinker://m/weights/step2"):
+def _restore(tmp_path, monkeypatch, info, path="tinker://m/weights/step2"):
     monkeypatch.setattr(
         train_restore,
         "create_from_state_with_response",
@@ -111,35 +113,38 @@ def _restore(monkeypatch, info, path="tinker://m/weights/step2"):
     prior = {"restore_count": 1, "optimizer_checks": [{"after_restore": 0}, {"after_restore": 1}]}
     state.setup_provenance = {a.name: prior for a in RUN.arms}
     session = None if isinstance(info, types.GetInfoResponse) else _Session(info)
-    return state, lambda: comparison_run.restore_arm(
-        session, state, RUN, "dppo_seed0", path, "comparison-state-r1-open.json"
-    )
+    journal = Journal(EvidenceBundle.create(tmp_path, "r", env={}))
+    return state, lambda: comparison_run.restore_arm(session, state, RUN, "dppo_seed0", path, journal)
 
 
-def test_a_restore_whose_optimizer_mismatches_stops_the_run(monkeypatch):
-    state, restore = _restore(monkeypatch, _raw_info("dimuon"))
+def test_a_restore_whose_optimizer_mismatches_stops_the_run(tmp_path, monkeypatch):
+    state, restore = _restore(tmp_path, monkeypatch, _raw_info("dimuon"))
     with pytest.raises(OptimizerMismatch, match="optimizer mismatch after restore 2") as info:
         restore()
     assert "server 'dimuon'" in str(info.value)
     (check,) = state.arms["dppo_seed0"].optimizer_checks  # recorded before the stop
     assert check["mismatches"] and not check["matches"]
     assert info.value.arm == "dppo_seed0" and info.value.provenance["restore_count"] == 2
-    assert info.value.state_file == "comparison-state-r1-open.json"  # registered before the provenance is posted
+    # the check names the run state journaled with the load's response, before the check was made
+    (entry,) = read_entries(tmp_path / "r" / "journal.jsonl")
+    assert check["evidence_ref"] == entry.ref == "journal.jsonl#1" and entry.label == "dppo_seed0-restore1"
+    (load,) = entry.data["arms"]["dppo_seed0"]["optimizer_checks"]
+    assert load["loaded_checkpoint_uri"] == "tinker://m/weights/step2" and "mismatches" not in load
     assert [c["after_restore"] for c in info.value.provenance["optimizer_checks"]] == [0, 1, 2]
 
 
-def test_a_matching_restore_continues(monkeypatch):
-    state, restore = _restore(monkeypatch, _raw_info("adamw"))
+def test_a_matching_restore_continues(tmp_path, monkeypatch):
+    state, restore = _restore(tmp_path, monkeypatch, _raw_info("adamw"))
     _client, prov = restore()
     (check,) = state.arms["dppo_seed0"].optimizer_checks
     assert prov["restore_count"] == 2 and check["matches"] and check["actual_optimizer"] == "adamw"
 
 
-def test_a_restore_seen_only_through_the_sdk_get_info_stays_declared(monkeypatch):
+def test_a_restore_seen_only_through_the_sdk_get_info_stays_declared(tmp_path, monkeypatch):
     """tinker 0.25's GetInfoResponse drops optimizer_config: even a server that sent a different
     family cannot be seen through it, so the check stays declared (no family), and does not stop."""
     sdk_info = types.GetInfoResponse.model_validate(_raw_info("dimuon"))
-    state, restore = _restore(monkeypatch, sdk_info)
+    state, restore = _restore(tmp_path, monkeypatch, sdk_info)
     _client, prov = restore()
     (check,) = state.arms["dppo_seed0"].optimizer_checks
     assert check["matches"] and not check["verified"]
@@ -162,7 +167,7 @@ def test_a_restore_that_did_not_load_the_path_asked_for_stops_the_run(monkeypatc
     )
     state = RunState("r", "p", "e", "c", "i", {a.name: ArmState(a.name) for a in RUN.arms})
     with pytest.raises(ComparisonError, match=line):
-        comparison_run.restore_arm(None, state, RUN, "dppo_seed0", "tinker://x", "comparison-state-r1-open.json")
+        comparison_run.restore_arm(None, state, RUN, "dppo_seed0", "tinker://x", None)
     assert state.arms["dppo_seed0"].restore_count == 0 and not state.arms["dppo_seed0"].optimizer_checks
 
 

@@ -100,8 +100,3 @@ def test_the_total_bytes_limit_names_the_file_the_limit_and_what_was_written(tmp
 def test_the_archive_size_rule_keeps_each_archive_within_one_file() -> None:
     assert budget.updates_per_archive(4 * 8, 512) * budget.record_bytes_bound(4 * 8, 512) <= MAX_FILE_BYTES
     assert budget.updates_per_archive(32 * 8, 32768) == 0
-
-
-def test_the_comparison_keeps_slots_for_its_end_and_restores_beyond_the_closing_reserve() -> None:
-    assert budget.comparison_reserve(2) == 13
-    assert budget.comparison_reserve(3, 3) == budget.comparison_reserve(3) + 3

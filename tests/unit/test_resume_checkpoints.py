@@ -1,6 +1,6 @@
 """A resume reuses a checkpoint only when its record is what was hashed when it was saved and what
-the run's registered (hashed) state copies say; otherwise it is refused in one line, before the
-rewind picks anything to reuse."""
+the run states its sessions journaled say; otherwise it is refused in one line, before the rewind
+picks anything to reuse."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dppo_harness.evidence import EvidenceBundle
+from dppo_harness.evidence.journal import Journal
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.resume import checkpoint_problems, load_owned_state, rewind_to_common_save
 from dppo_harness.stages.comparison.state import ArmState, RunState, checkpoint_record_sha256, state_path
@@ -19,7 +20,7 @@ RUN = "20261203T000000Z-run001"
 
 def _saved_run(tmp_path: Path, steps: int = 2) -> tuple[RunState, EvidenceBundle]:
     """A run whose first session saved both arms after each of `steps` steps, the last common save
-    registered in its bundle as the harness does (comparison-state-r0-s<step>.json)."""
+    journaled in its bundle as the harness does (a "state" entry labelled s<step>, journal.jsonl#1)."""
     bundle = EvidenceBundle.create(tmp_path / "evidence", RUN, env={})
     st = RunState(
         RUN,
@@ -34,7 +35,7 @@ def _saved_run(tmp_path: Path, steps: int = 2) -> tuple[RunState, EvidenceBundle
         for a in st.arms.values():
             a.steps_done = step
             a.record_save(RUN, step, f"tinker://{a.name}/weights/step{step}-r0")
-    bundle.register_json(f"comparison-state-r0-s{steps}.json", "manifest", st.to_json())
+    Journal(bundle).append("comparison", "state", f"s{steps}", st.to_json())
     st.save(state_path(tmp_path / "state", RUN))
     return st, bundle
 
@@ -79,8 +80,8 @@ def test_a_tampered_checkpoint_record_is_refused(tmp_path, edit, says):
     assert problems and problems[0].startswith(says), problems
 
 
-def test_a_record_rehashed_by_hand_still_disagrees_with_the_registered_state(tmp_path):
-    """Whoever edits the state and its hash too is caught by the copy the bundle registered."""
+def test_a_record_rehashed_by_hand_still_disagrees_with_the_journaled_state(tmp_path):
+    """Whoever edits the state and its hash too is caught by the state the session journaled."""
     _saved_run(tmp_path)
 
     def swap(d):
@@ -88,20 +89,22 @@ def test_a_record_rehashed_by_hand_still_disagrees_with_the_registered_state(tmp
         d["arms"]["dppo"]["save_hashes"]["2"] = checkpoint_record_sha256(RUN, "dppo", 2, "tinker://other/weights/x")
 
     st = _edit(tmp_path, swap)
-    (problem,) = checkpoint_problems(st)  # the record hashes as recorded: only the registered copy disagrees
+    (problem,) = checkpoint_problems(st)  # the record hashes as recorded: only the journaled state disagrees
     assert problem == (
         f"arm dppo's checkpoint at step 2 is tinker://other/weights/x in the state but "
-        f"tinker://dppo/weights/step2-r0 in {RUN}/comparison-state-r0-s2.json"
+        f"tinker://dppo/weights/step2-r0 in {RUN}/journal.jsonl#1"
     )
 
 
-def test_a_registered_state_copy_that_no_longer_hashes_is_refused(tmp_path):
+def test_an_altered_journal_refuses_the_resume_in_one_line(tmp_path):
     _, bundle = _saved_run(tmp_path)
-    copy = bundle.file_path("comparison-state-r0-s2.json")
-    copy.write_text(copy.read_text().replace("step2-r0", "step2-rX"))
-    assert checkpoint_problems(load_owned_state(tmp_path / "state", RUN)) == [
-        f"{RUN}/comparison-state-r0-s2.json does not match the sha256 its bundle registered"
-    ]
+    Journal(bundle).snapshot("comparison", "comparison step 2 saved")
+    path = bundle.dir / "journal.jsonl"
+    path.write_bytes(b"{}\n" + path.read_bytes().split(b"\n", 1)[1])  # the state entry replaced
+    with pytest.raises(ComparisonError) as e:
+        checkpoint_problems(load_owned_state(tmp_path / "state", RUN))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"--resume {RUN} refused: {path}: line 1 is not journal entry 1")
 
 
 def test_steps_saved_again_after_a_resume_are_not_held_to_the_earlier_copy(tmp_path):
@@ -130,7 +133,7 @@ def test_the_resume_is_refused_in_one_line_before_anything_is_reused(tmp_path):
     plan = SimpleNamespace(sha256="p" * 64, run=SimpleNamespace(rollout_steps=3))
     bundle = EvidenceBundle.create(tmp_path / "evidence", "20261203T010000Z-res001", env={})
     with pytest.raises(ComparisonError) as e:
-        comparison_run._run_state(plan, bundle, "e" * 64, None, tmp_path / "state", RUN)
+        comparison_run._run_state(plan, bundle, Journal(bundle), "e" * 64, None, tmp_path / "state", RUN)
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"--resume {RUN} refused: arm grpo's checkpoint record at step 1")
 

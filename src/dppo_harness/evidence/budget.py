@@ -1,6 +1,7 @@
 """The evidence budget: the bundle's limits are checked at every registration, nothing is counted
 ahead from the plan. One reserve, set before any other file, keeps the close from being starved;
-the rest sizes single files, or keeps slots for writes a running stage knows are still to come.
+the rest sizes single files (the diagnostic's update archives). In-loop writes go to the journal
+and take no slot.
 """
 
 from __future__ import annotations
@@ -25,11 +26,6 @@ RECORD_OVERHEAD_BYTES = 64 * 1024  # the JSON meta (context, stats, histograms) 
 # template adds tens.
 PROMPT_TOKENS_BOUND = 384
 
-# The comparison's files after its last step besides the predictions: steps JSONL, end state,
-# evaluator, observations, decision, report.md and its 4 plots.
-COMPARISON_END_FIXED = 10
-MID_STEP_RESTORES_PER_ARM = 1  # slots kept for a state registered by a restore inside a step
-
 
 # What ledger.json keeps under `evidence_budget`: the limits and the closing reserve.
 RECORD: JsonObject = {
@@ -51,10 +47,3 @@ def updates_per_archive(sequences_per_update: int, max_tokens: int) -> int:
     """Update records per archive file: UPDATES_PER_ARCHIVE, fewer when their bound would pass the
     per-file limit; 0 when even one record cannot fit a file."""
     return min(UPDATES_PER_ARCHIVE, MAX_FILE_BYTES // record_bytes_bound(sequences_per_update, max_tokens))
-
-
-def comparison_reserve(arms: int, mid_step_restores_left: int = 0) -> int:
-    """File slots a running comparison keeps free beyond the bundle's closing reserve (which holds
-    its stage-end snapshot's): the files it registers after its last step, per arm its predictions
-    plus the base model's, and the mid-step restores it may still register."""
-    return COMPARISON_END_FIXED + arms + 1 + mid_step_restores_left

@@ -43,7 +43,7 @@ def resume_lines(resume: JsonMap | None) -> list[str]:
         f"**Resumed** ({resume['resumed_times']} time(s) in all): this session continued comparison run "
         f"`{resume['comparison_run']}` from step {resume['from_step']} (the last step every arm had saved), after "
         f"session `{cont['run_id']}` stopped with status `{cont['status']}`; its last snapshot "
-        f"`{snap.get('name')}` sha256 `{snap.get('sha256')}`. The preflight and the gate were not rerun: their "
+        f"`journal.jsonl#{snap.get('seq')}` sha256 `{snap.get('sha256')}`. The preflight and the gate were not rerun: their "
         f"evidence was reused after it verified by sha256 (`{resume['evidence_ref']}`).",
         "",
     ]

@@ -23,12 +23,12 @@ class ComparisonError(RuntimeError):
 
 class OptimizerMismatch(ComparisonError):
     """A restore's optimizer check found the server's optimizer differs from the request: the run
-    stops. Carries the arm's provenance entry with that check and the run-state file the check's
-    get_info reference names (to be registered before the provenance is posted), for the evidence."""
+    stops. Carries the arm's provenance entry with that check (its reference names the journaled
+    run state), for the evidence."""
 
-    def __init__(self, message: str, arm: str, provenance: Mapping[str, JsonValue], state_file: str):
+    def __init__(self, message: str, arm: str, provenance: Mapping[str, JsonValue]):
         super().__init__(message)
-        self.arm, self.provenance, self.state_file = arm, dict(provenance), state_file
+        self.arm, self.provenance = arm, dict(provenance)
 
 
 def comparison_schedule(option: str | None, backend_kind: str | None) -> tuple[ArmOrder, str]:

@@ -1,10 +1,10 @@
 """What a resume checks and takes over from the sessions before it, re-verified by hash.
 
 A resume (`--resume RUN_ID`) continues the saved state only when plan, evaluator and code are
-unchanged and every checkpoint record hashes as recorded and agrees with the run's registered state
-copies; it rewinds to the last step every arm saved. It does not rerun the preflight and the gate:
-every earlier bundle is verified from disk (`evidence verify`), the setup snapshot's sha256 checked
-against the one recorded when the run started, then the setup blocks (SETUP_BLOCKS) are posted in the
+unchanged and every checkpoint record hashes as recorded and agrees with the run states the earlier
+sessions journaled; it rewinds to the last step every arm saved. It does not rerun the preflight and
+the gate: every earlier bundle is verified from disk (`evidence verify`), the setup snapshot's journal
+line checked against the sha256 recorded when the run started, then the setup blocks (SETUP_BLOCKS) are posted in the
 new bundle with each file they reference registered again with the same bytes, and a
 `resumed-from-N.json` manifest names the run, the session it continues and every reused file with its
 sha256. The gate report's own `passed` is checked again. Any mismatch refuses the resume in one line.
@@ -17,9 +17,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE, SNAPSHOT_RE, sha256_bytes
+from dppo_harness.evidence.files import FILES_DIR, RESULT_FILE
+from dppo_harness.evidence.journal import JOURNAL_FILE, Entry, JournalError, read_entries
 from dppo_harness.evidence.verify import iter_refs, split_refs, verify_bundle
-from dppo_harness.json_types import JsonObject
+from dppo_harness.json_types import JsonObject, obj
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import RunState, checkpoint_record_sha256, hold_run_lock, state_path
 from dppo_harness.stages.write import GATE_REPORT_FILE
@@ -35,10 +36,17 @@ def _registry(run_dir: Path) -> dict[str, dict[str, Any]]:
     return {f["name"]: f for f in result["evidence"]["files"]}
 
 
-def newest_snapshot(run_id: str, files: Mapping[str, Mapping[str, Any]]) -> dict[str, str] | None:
-    """The newest result snapshot among a bundle's `files`: {run_id, name, sha256}, or None."""
-    names = sorted(n for n in files if SNAPSHOT_RE.match(n))
-    return {"run_id": run_id, "name": names[-1], "sha256": files[names[-1]]["sha256"]} if names else None
+def snapshot_ref(run_id: str, entry: Entry) -> dict[str, str | int]:
+    """A journaled result snapshot as a later session names it: its line's sha256 (`Entry.sha256`)."""
+    return {"run_id": run_id, "seq": entry.seq, "sha256": entry.sha256}
+
+
+def _journal(run_id: str, session_dir: Path) -> list[Entry]:
+    """An earlier session's journal entries; an altered journal refuses the resume in one line."""
+    try:
+        return read_entries(session_dir / JOURNAL_FILE)
+    except JournalError as exc:
+        raise _refuse(run_id, str(exc)) from None
 
 
 def _referenced_files(blocks: JsonObject) -> Iterator[str]:
@@ -55,15 +63,12 @@ def _refuse(run_id: str, why: str) -> ComparisonError:
     return ComparisonError(f"--resume {run_id} refused: {why}")
 
 
-STATE_COPY_PREFIX = "comparison-state-"
-
-
 def checkpoint_problems(state: RunState) -> list[str]:
     """Why the checkpoints a resume would reuse cannot be trusted: each save's record must hash to
     what was recorded when it was saved (not edited, not copied from another run or arm), the
-    current state must be one of the hashed saves, and every save must agree with every copy of the
-    run state registered (hashed) in the run's earlier bundles, up to the step a later session
-    resumed from (the steps after it were trained and saved again)."""
+    current state must be one of the hashed saves, and every save must agree with every run state
+    the run's earlier sessions journaled, up to the step a later session resumed from (the steps
+    after it were trained and saved again)."""
     out = []
     for arm in state.arms.values():
         for step, path in sorted(arm.saves.items(), key=lambda kv: int(kv[0])):
@@ -78,31 +83,21 @@ def checkpoint_problems(state: RunState) -> list[str]:
         if arm.state_path is not None and arm.saves.get(str(arm.state_step)) != arm.state_path:
             out.append(f"arm {arm.name}'s current state {arm.state_path} is not one of its hashed saves")
     for i, session in enumerate(state.sessions):
-        run_dir = Path(session["dir"])
-        if not (run_dir / RESULT_FILE).is_file():
-            continue  # a missing bundle is refused by verified_dirs, naming it
         later = [int(r["from_step"]) for r in state.resumes[i:]]
         limit = min(later) if later else None
-        for name, entry in sorted(_registry(run_dir).items()):  # each run state registered there
-            if not (name.startswith(STATE_COPY_PREFIX) and name.endswith(".json")):
+        for entry in _journal(state.run_id, Path(session["dir"])):  # each run state journaled there
+            if (entry.stage, entry.kind) != ("comparison", "state"):
                 continue
-            try:
-                raw = (run_dir / FILES_DIR / name).read_bytes()
-            except OSError:
-                raw = b""
-            if sha256_bytes(raw) != entry["sha256"]:
-                out.append(f"{session['run_id']}/{name} does not match the sha256 its bundle registered")
-                continue
-            for arm_name, arm in json.loads(raw).get("arms", {}).items():
+            for arm_name, journaled in obj(obj(entry.data)["arms"]).items():
                 here = state.arms.get(arm_name)
-                for step, path in arm.get("saves", {}).items():
+                for step, was in obj(obj(journaled)["saves"]).items():
                     if limit is not None and int(step) > limit:
                         continue
                     now = here.saves.get(step) if here is not None else None
-                    if now != path:
+                    if now != was:
                         out.append(
-                            f"arm {arm_name}'s checkpoint at step {step} is {now} in the state but {path} in "
-                            f"{session['run_id']}/{name}"
+                            f"arm {arm_name}'s checkpoint at step {step} is {now} in the state but {was} in "
+                            f"{session['run_id']}/{entry.ref}"
                         )
     return out
 
@@ -212,14 +207,14 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> None:
                 state.run_id, f"the setup snapshot's session {snap['run_id']} is not among the run's sessions"
             )
         reg = _registry(setup_dir)
-        data = (setup_dir / FILES_DIR / snap["name"]).read_bytes()
-        if reg.get(snap["name"], {}).get("sha256") != snap["sha256"] or sha256_bytes(data) != snap["sha256"]:
+        found = next((e for e in _journal(state.run_id, setup_dir) if e.seq == snap["seq"]), None)
+        if found is None or found.kind != "snapshot" or found.sha256 != snap["sha256"]:
             raise _refuse(
                 state.run_id,
-                f"setup snapshot {snap['run_id']}/{snap['name']} does not match the sha256 "
+                f"setup snapshot {snap['run_id']}/{JOURNAL_FILE}#{snap['seq']} does not match the sha256 "
                 "recorded when the run started",
             )
-        setup = json.loads(data)
+        setup = obj(found.data)
         blocks = {k: setup[k] for k in SETUP_BLOCKS if setup.get(k) is not None}
         gate_reports = [GATE_REPORT_FILE] if GATE_REPORT_FILE in reg else []
         for name in sorted(set(_referenced_files(blocks)) | set(gate_reports)):
@@ -231,7 +226,8 @@ def reuse_setup(bundle: EvidenceBundle, state: RunState) -> None:
         for name in gate_reports:
             if not json.loads((setup_dir / FILES_DIR / name).read_bytes())["passed"]:
                 raise _refuse(state.run_id, f"the activation gate of session {snap['run_id']} did not pass ({name})")
-    last = newest_snapshot(dirs[-1].name, _registry(dirs[-1]))
+    snaps = [e for e in _journal(state.run_id, dirs[-1]) if e.kind == "snapshot"]
+    last = snapshot_ref(dirs[-1].name, snaps[-1]) if snaps else None
     resume = state.resumes[-1]
     continued = {
         "run_id": dirs[-1].name,

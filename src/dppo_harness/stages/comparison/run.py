@@ -21,8 +21,9 @@ import tinker
 
 import dppo_harness
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.evidence import budget, report
+from dppo_harness.evidence import report
 from dppo_harness.evidence.backend import backend_of, session_served
+from dppo_harness.evidence.journal import Journal
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.instrument import instrumentation as ins
@@ -47,14 +48,13 @@ from dppo_harness.stages.comparison.config import (
     step_seed,
 )
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, frozen_evaluator
-from dppo_harness.stages.comparison.resume import newest_snapshot, open_resumed, reuse_setup
+from dppo_harness.stages.comparison.resume import open_resumed, reuse_setup, snapshot_ref
 from dppo_harness.stages.comparison.state import (
     STEPS_FILE,
     ArmState,
     RunState,
     StepRetry,
     hold_run_lock,
-    state_file_name,
     state_path,
 )
 from dppo_harness.stages.comparison.step_rows import (
@@ -136,29 +136,11 @@ def run_comparison(
         evaluator = frozen_evaluator(
             plan, bundle, embedded=backend == "local" or (block is not None and block.kind == "local")
         )
-        state = _run_state(plan, bundle, evaluator.evaluator_id, restoration, state_root, resume_run_id)
+        journal = bundle.journal  # every in-loop record of the run goes there
+        state = _run_state(plan, bundle, journal, evaluator.evaluator_id, restoration, state_root, resume_run_id)
         if state.resumed:  # the preflight and gate of the run, hash-verified, and where this session starts
             reuse_setup(bundle, state)
         spath = state_path(state_root, state.run_id)
-        bundle.register_json(
-            f"comparison-run-{state.resumed}.json",
-            "manifest",
-            {
-                "run_id": state.run_id,
-                "resumed_sessions": state.resumed,
-                "sessions": state.sessions,
-                "resumes": state.resumes,
-                "save_every": save_every,
-                "schedule": schedule,
-                "schedule_source": schedule_source,
-                "rehearsal": rehearsal,
-                "state_file": str(spath),
-                "evaluator_id": evaluator.evaluator_id,
-                "code_revision": state.code_revision,
-                "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256},
-                "config": {**run.as_json(), "save_every": save_every},
-            },
-        )
         if rehearsal:  # the pipeline is rehearsed on a stand-in; the hypothesis is not tested
             bundle.update_result(
                 original_hypothesis_tested=False,
@@ -181,7 +163,7 @@ def run_comparison(
                 registry=registry,
             )
 
-        arms = Arms(service_client, bundle, run, state, spath, save_every, tag, progress)
+        arms = Arms(service_client, bundle, journal, run, state, spath, save_every, tag, progress)
         train = dataset.get(run.dataset).load_split("train", seed=run.seed)
         renderer = tokenizer.make_renderer().renderer
         stopped: str | None = None
@@ -228,8 +210,6 @@ def run_comparison(
             stopped = f"{exc.kind}: {exc.line}"
         except Exception as exc:  # never a crash mid-run: stop with the evidence so far and the reason
             if isinstance(exc, OptimizerMismatch):  # the check that stopped it, posted
-                if bundle.entry(exc.state_file) is None:  # with the state it references
-                    bundle.register_json(exc.state_file, "manifest", state.to_json())
                 bundle.update_result(initialization_provenance={"arms": {exc.arm: exc.provenance}})
             stopped = f"{type(exc).__name__}: {error_text(exc)}"[:500]
             progress(f"[comparison] stopped: {stopped}")
@@ -239,9 +219,25 @@ def run_comparison(
         steps_completed = min(s.steps_done for s in state.arms.values())
 
         state.save(spath)
-        steps_name = f"{STEPS_FILE.removesuffix('.jsonl')}-{state.resumed}.jsonl" if state.resumed else STEPS_FILE
-        bundle.register_bytes(steps_name, "metrics", jsonl(state.rows))
-        end_name = state_file_name(state, "end")  # the run state after training, stopped or not
+        # the training's files, stopped or not: the run's manifest, its rows, its state after training
+        r = state.resumed
+        files = [f"comparison-run-{r}.json", f"comparison-steps-{r}.jsonl" if r else STEPS_FILE]
+        files.append(f"comparison-state-r{r}-end.json")
+        manifest = {
+            "run_id": state.run_id,
+            "resumed_sessions": r,
+            "sessions": state.sessions,
+            "resumes": state.resumes,
+            "save_every": save_every,
+            "schedule": schedule,
+            "schedule_source": schedule_source,
+            "rehearsal": rehearsal,
+            "state_file": str(spath),
+            "evaluator_id": evaluator.evaluator_id,
+            "code_revision": state.code_revision,
+            "plan": {"name": plan.name, "kind": plan.kind, "sha256": plan.sha256},
+            "config": {**run.as_json(), "save_every": save_every},
+        }
         training: JsonObject = {
             "schedule": schedule,
             "schedule_source": schedule_source,
@@ -249,8 +245,9 @@ def run_comparison(
             "steps_completed": steps_completed,
             "wall_guard": guard.as_dict() if guard is not None else None,
         }
-        bundle.register_json(end_name, "manifest", {**state.to_json(), "training": training})
-        files = [steps_name, end_name]
+        bundle.register_json(files[0], "manifest", manifest)
+        bundle.register_bytes(files[1], "metrics", jsonl(state.rows))
+        bundle.register_json(files[2], "manifest", {**state.to_json(), "training": training})
         trained = (state.run_id, tuple(state.rows), steps_completed, schedule)
         if stopped is not None:
             final = _final(plan, bundle, steps_completed, stopped=stopped, capacity_block=capacity_block)
@@ -281,10 +278,11 @@ def run_comparison(
 @dataclass
 class Arms:
     """The arms' live training clients, replaced by a restore (a retry from a step's start, a lost
-    model), each arm's loss and recorder, and the evidence slots the run keeps for restores."""
+    model), and each arm's loss and recorder."""
 
     service_client: tinker.ServiceClient
     bundle: EvidenceBundle
+    journal: Journal  # the run's rows and states as they are committed, and each restore's state
     run: RunConfig
     state: RunState
     spath: Path  # the run state file, saved after every row
@@ -295,7 +293,6 @@ class Arms:
 
     def __post_init__(self) -> None:
         self.losses = {a.name: make_loss(a, self.run) for a in self.run.arms}
-        self.restores_left = budget.MID_STEP_RESTORES_PER_ARM * len(self.run.arms)  # slots the budget keeps
 
     def open(self, restoration: RestorationResult | None, call: Callable[[Callable[[], Any]], Any]) -> None:
         """The arms' clients: the preflight's, loaded from the shared initial checkpoint, or on a
@@ -305,12 +302,11 @@ class Arms:
             assert restoration is not None
             self.clients.update({a.name: restoration.clients[a.name] for a in self.run.arms})
         else:
-            ref, prov_arms = state_file_name(state, "open"), {}
+            prov_arms = {}
             for a in self.run.arms:
                 path = state.arms[a.name].state_path or state.initial_checkpoint
-                restore_one = partial(restore_arm, self.service_client, state, self.run, a.name, path, ref)
+                restore_one = partial(restore_arm, self.service_client, state, self.run, a.name, path, self.journal)
                 self.clients[a.name], prov_arms[a.name] = call(restore_one)
-            self.bundle.register_json(ref, "manifest", state.to_json())  # before the result names it
             self.bundle.update_result(initialization_provenance={"arms": prov_arms})
 
     def step_with_retry(
@@ -387,9 +383,7 @@ class Arms:
             f"{failure['updates_sent_before_failure']} update(s) ({failure['error'][:120]}); restoring "
             f"{path} (weights + optimizer) before the retry"
         )
-        ref = state_file_name(self.state, f"{name}-s{failure['step']}-a{failure['attempt']}")
-        self._take_restore_slot(f"{name} step {failure['step'] + 1}")
-        self._restore(name, path, ref)
+        self._restore(name, path)
 
     def arm_of(self, lost: ModelLost) -> str | None:
         """The arm whose current client is the lost model, if it has not lost one before (the one
@@ -410,36 +404,23 @@ class Arms:
         path, at = (
             (arm.state_path, arm.state_step) if arm.state_path is not None else (self.state.initial_checkpoint, 0)
         )
-        self._take_restore_slot(f"{name}: replacing the lost model")  # before anything changes
         self.progress(f"[comparison] {lost.line}; replacing {name} from {path} (step {at}), trained again from there")
-        ref = state_file_name(self.state, f"{name}-lost-s{arm.steps_done}")
         arm.lost_models.append({"model_id": lost.model_id, "call": lost.call, "error": lost.text,
                                 "at_steps_done": arm.steps_done, "replaced_from": path, "replaced_from_step": at})  # fmt: skip
         self.state.rows = [r for r in self.state.rows if r["arm"] != name or r["step"] < at]
         arm.steps_done = at  # the loaded state's step: the restore is recorded there
-        self._restore(name, path, ref)
+        self._restore(name, path)
         self.state.save(self.spath)
 
-    def _restore(self, name: str, path: str, ref: str) -> None:
-        client, prov = restore_arm(self.service_client, self.state, self.run, name, path, ref)
-        self.clients[name] = client
-        self.bundle.register_json(ref, "manifest", self.state.to_json())
+    def _restore(self, name: str, path: str) -> None:
+        self.clients[name], prov = restore_arm(self.service_client, self.state, self.run, name, path, self.journal)
         self.bundle.update_result(initialization_provenance={"arms": {name: prov}})
 
-    def _take_restore_slot(self, what: str) -> None:
-        """One evidence slot for the run state of a restore in the run (kept per arm in the budget)."""
-        if self.restores_left == 0 and self.bundle.free_slots() - 1 < budget.comparison_reserve(len(self.run.arms), 0):
-            raise ComparisonError(
-                f"{what}: no evidence file slot left for the run state of another restore "
-                f"({budget.MID_STEP_RESTORES_PER_ARM} per arm were kept); "
-                "resume the run (--resume) to continue from its last save"
-            )
-        self.restores_left = max(0, self.restores_left - 1)
-
     def commit(self, name: str, row: StepRowJson, tracker: CapacityTracker) -> None:
-        """A finished arm-step: steps done, the state saved at a save step, the row kept and posted; a save
-        every arm made registered with a snapshot; the capacity window widened once per step; the arm
-        finalized after its last step (final sampler weights + state, checkpoint URIs, metrics)."""
+        """A finished arm-step: steps done, the state saved at a save step, the row kept, journaled and
+        posted; at a save every arm made, the run state journaled with a snapshot; the capacity window
+        widened once per step; the arm finalized after its last step (final sampler weights + state,
+        checkpoint URIs, metrics)."""
         state, run, bundle = self.state, self.run, self.bundle
         arm = state.arms[name]
         arm.steps_done = row["step"] + 1
@@ -449,13 +430,13 @@ class Arms:
             )
             arm.record_save(state.run_id, arm.steps_done, saved.result().path)
         state.rows.append(row)
+        self.journal.append("comparison", "row", f"{name}-s{row['step']}", ins.nan_free(row))  # NaN as null
         state.save(self.spath)
         done = arm.steps_done
         if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
-            # Every arm saved this step: the resume point, registered as it is saved, and a snapshot.
-            kept = budget.comparison_reserve(len(run.arms), self.restores_left)
-            _register_saved_state(bundle, state, done, kept)
-            bundle.journal.snapshot("comparison", f"comparison step {done} saved")
+            # Every arm saved this step: the resume point, journaled as it is saved, and a snapshot.
+            self.journal.append("comparison", "state", f"s{done}", state.to_json())
+            self.journal.snapshot("comparison", f"comparison step {done} saved")
         arm_rows = [r for r in state.rows if r["arm"] == name]
         bundle.post_arm_metrics(name, arm_summary(arm_rows))
         if all(s.steps_done > row["step"] for s in state.arms.values()) and tracker() <= row["step"]:
@@ -472,40 +453,41 @@ class Arms:
 
 
 def restore_arm(
-    service_client: tinker.ServiceClient, state: RunState, run: RunConfig, name: str, path: str, state_file: str
+    service_client: tinker.ServiceClient, state: RunState, run: RunConfig, name: str, path: str, journal: Journal
 ) -> tuple[tinker.TrainingClient, JsonObject]:
     """A new training client for arm `name` from its saved state `path` (`train.restore.restore`,
     weights + optimizer, the load observed), counted: one more restore_count and optimizer check on
-    top of the preflight's, its get_info kept in the run state registered as `state_file`. Returns
-    (client, provenance entry). A check that finds the server's optimizer differs from the request
-    stops the run (OptimizerMismatch, after the check is recorded in the state)."""
+    top of the preflight's. The run state with the load's response is journaled first, and the check
+    names that entry. Returns (client, provenance entry). A check that finds the server's optimizer
+    differs from the request stops the run (OptimizerMismatch, after the check is recorded in the state)."""
     arm = state.arms[name]
     restored = restore(service_client, path, name)
     mismatch = restored.mismatch()
     if mismatch is not None:
         raise ComparisonError(f"{name}: {mismatch}")
     client, loaded = restored.client, restored.loaded_path
+    # raw: tinker 0.25's parsed get_info (`restored.info`) drops the server's optimizer_config
+    info = server_info(service_client, client)
     arm.restore_count += 1
+    load = {
+        "loaded_checkpoint_uri": loaded,
+        "at_step": arm.steps_done,
+        "load_response": dump_response(restored.response),
+    }
+    arm.optimizer_checks.append(load)
+    entry = journal.append("comparison", "state", f"{name}-restore{arm.restore_count}", state.to_json())
     prior = state.setup_provenance[name]  # every arm's, from the preflight
     check = optimizer_check(
         after_restore=prior["restore_count"] + arm.restore_count,
         requested_optimizer="adam",
         requested_config=run.arm(name).adam_config_requested(),
-        # raw: tinker 0.25's parsed get_info (`restored.info`) drops the server's optimizer_config
-        info=server_info(service_client, client),
-        info_ref=f"{state_file}#{name}.restore{arm.restore_count}",
+        info=info,
+        info_ref=entry.ref,
         echoed=None,
         echo_ref=None,
         echo_observed_on=None,
     )
-    arm.optimizer_checks.append(
-        {
-            **check,
-            "loaded_checkpoint_uri": loaded,
-            "at_step": arm.steps_done,
-            "load_response": dump_response(restored.response),
-        }
-    )
+    arm.optimizer_checks[-1] = {**check, **load}
     prov: JsonObject = {
         "restore_count": prior["restore_count"] + arm.restore_count,
         # The checkpoint this session's arm actually loaded (the server's own load response).
@@ -520,7 +502,6 @@ def restore_arm(
             f"({path}): " + "; ".join(check["mismatches"]),
             name,
             prov,
-            state_file,
         )
     return client, prov
 
@@ -576,13 +557,14 @@ def run_arm_step(
 def _run_state(
     plan: Plan,
     bundle: EvidenceBundle,
+    journal: Journal,
     evaluator_id: str,
     restoration: RestorationResult | None,
     state_root: Path,
     resume_run_id: str | None,
 ) -> RunState:
-    """A new run's state (locked to this session), or the resumed run's, checked and rewound to
-    the last step every arm saved."""
+    """A new run's state (locked to this session, its setup the result snapshot journaled as it
+    starts), or the resumed run's, checked and rewound to the last step every arm saved."""
     assert plan.run is not None
     # the package's sources and the data it carries (vendored GSM8K, the stand-in's assets): what a resume must match
     run, code_rev = plan.run, package_files_sha256(Path(dppo_harness.__file__).parent)
@@ -609,30 +591,14 @@ def _run_state(
         initial_checkpoint=restoration.initial_checkpoint,
         arms={a.name: ArmState(a.name) for a in run.arms},
         sessions=[session],
-        setup_snapshot=newest_snapshot(bundle.run_id, {e["name"]: e for e in bundle.files()}),
+        setup_snapshot=snapshot_ref(bundle.run_id, journal.snapshot("comparison", "comparison setup")),
         setup_provenance={
             a.name: {k: as_value(prov[a.name][k]) for k in ("restore_count", "optimizer_checks")} for a in run.arms
         },
     )
 
 
-# ---- evidence ----------------------------------------------------------------------------------
-
-
-def _register_saved_state(bundle: EvidenceBundle, state: RunState, step: int, kept: int) -> str | None:
-    """The run state at a save every arm made, as an evidence file, unless only the `kept` slots
-    for the evaluation, report and restores are left (then the ledger says so; the state file itself is kept)."""
-    name = state_file_name(state, f"s{step}")
-    if bundle.free_slots() - 1 < kept:
-        reason = (
-            f"file limit: {len(bundle.files())} files used, {bundle.free_slots()} free, "
-            f"{kept} kept for the evaluation, report and restores"
-        )
-        skipped = [*bundle.ledger().get("comparison_states_not_registered", []), {"name": name, "reason": reason}]
-        bundle.note_ledger(comparison_states_not_registered=skipped)
-        return None
-    bundle.register_json(name, "manifest", state.to_json())
-    return name
+# ---- the result's final ---------------------------------------------------------------------
 
 
 def _final(

@@ -75,8 +75,9 @@ class RunState:
     resumed: int = 0
     # Every session that worked on this run, in order: {"run_id", "dir"} of its evidence bundle.
     sessions: list[dict[str, str]] = field(default_factory=list)
-    # The hashed result snapshot holding the setup (preflight + gate) evidence the run started from.
-    setup_snapshot: dict[str, str] | None = None
+    # The journaled result snapshot holding the setup (preflight + gate) evidence the run started from:
+    # {run_id, seq, sha256} of its journal entry (`resume.snapshot_ref`).
+    setup_snapshot: dict[str, str | int] | None = None
     # Per arm, the preflight's restore_count and optimizer checks (what later restores count on).
     setup_provenance: dict[str, Any] = field(default_factory=dict)
     resumes: list[dict[str, Any]] = field(default_factory=list)  # per resume: session, from_step, continued
@@ -133,8 +134,3 @@ def hold_run_lock(state_root: Path, run_id: str, *, what: str) -> None:
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()}".encode(), 0)
     _held[path] = fd
-
-
-def state_file_name(state: RunState, label: str) -> str:
-    """The evidence name of the run state registered at `label` in this session."""
-    return f"{STATE_FILE.removesuffix('.json')}-r{state.resumed}-{label}.json"
