@@ -56,3 +56,21 @@ def test_two_journal_objects_of_one_bundle_keep_one_sequence(tmp_path: Path) -> 
     refs = [j.append("gate", "row", str(i)).ref for i, j in enumerate((b.journal, other, b.journal, other))]
     assert refs == [f"{JOURNAL_FILE}#{i}" for i in range(1, 5)]
     assert [e.label for e in b.journal.entries()] == ["0", "1", "2", "3"]
+
+
+def test_a_well_formed_edit_breaks_the_chain_and_a_whole_bad_last_line_is_not_taken_for_torn(tmp_path: Path) -> None:
+    b = EvidenceBundle.create(tmp_path, "run", env={})
+    for step in range(3):
+        b.journal.append("comparison", "state", f"s{step}", {"step": step})
+    path = b.dir / JOURNAL_FILE
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(lines[0] + lines[1].replace(b'"step":1}', b'"step":7}', 1) + lines[2])  # still valid JSON
+    (problem,) = verify_bundle(b.dir, env={})
+    assert f"{JOURNAL_FILE}: line 3 is not journal entry 3" in problem and "chained" in problem
+    path.write_bytes(lines[0] + lines[1] + lines[2][:-9] + b"\n")  # a whole last line, cut: not a torn append
+    (problem,) = verify_bundle(b.dir, env={})
+    assert "line 3 is not journal entry 3" in problem
+    path.write_bytes(b"".join(lines))
+    assert verify_bundle(b.dir, env={}) == [] and [e.data for e in Journal(b).entries()] == [
+        {"step": s} for s in range(3)
+    ]

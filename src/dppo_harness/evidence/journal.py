@@ -31,6 +31,7 @@ class JournalError(EvidenceError):
 @dataclass(frozen=True)
 class Entry:
     seq: int  # 1, 2, ... in append order
+    prev: str  # the sha256 of the entry before ("" for the first)
     stage: str
     kind: EntryKind
     label: str
@@ -50,7 +51,7 @@ class Journal:
     def __init__(self, bundle: EvidenceBundle):
         self.bundle = bundle
         self.path = bundle.dir / JOURNAL_FILE
-        self._seq = len(read_entries(self.path))
+        self._seq, self._prev = _head(self.path)
         if self.path.exists() and not (data := self.path.read_bytes()).endswith(b"\n"):
             with open(self.path, "r+b") as f:  # a torn tail: its append never returned; the next starts a line
                 f.truncate(data.rfind(b"\n") + 1)
@@ -62,11 +63,13 @@ class Journal:
         """One entry, durable before this returns."""
         with self.bundle.lock:
             if (size := _size(self.path)) != self._size:
-                self._seq = len(read_entries(self.path))
-            line = _line(self._seq + 1, stage, kind, label, round(self.bundle.elapsed_seconds(), 3), data, blob)
+                self._seq, self._prev = _head(self.path)
+            elapsed = round(self.bundle.elapsed_seconds(), 3)
+            line = _line(self._seq + 1, self._prev, stage, kind, label, elapsed, data, blob)
             self.bundle.append_beside(JOURNAL_FILE, line)
-            self._seq, self._size = self._seq + 1, size + len(line)
-            return _entry(line)
+            entry = _entry(line)
+            self._seq, self._prev, self._size = entry.seq, entry.sha256, size + len(line)
+            return entry
 
     def snapshot(self, stage: str, label: str) -> Entry:
         """The result as it stands now (result.json is replaced at every update; this keeps it)."""
@@ -80,6 +83,12 @@ class Journal:
         ]
 
 
+def _head(path: Path) -> tuple[int, str]:
+    """(entries, the last entry's sha256, "" when none): what the next entry follows."""
+    entries = read_entries(path)
+    return len(entries), entries[-1].sha256 if entries else ""
+
+
 def _size(path: Path) -> int:
     try:
         return path.stat().st_size
@@ -87,9 +96,12 @@ def _size(path: Path) -> int:
         return 0
 
 
-def _line(seq: int, stage: str, kind: str, label: str, elapsed_s: float, data: JsonValue, blob: bytes | None) -> bytes:
-    entry: dict[str, JsonValue] = {"seq": seq, "stage": stage, "kind": kind, "label": label, "elapsed_s": elapsed_s}
-    entry["data"] = data
+def _line(
+    seq: int, prev: str, stage: str, kind: str, label: str, elapsed_s: float, data: JsonValue, blob: bytes | None
+) -> bytes:
+    # `prev`, the previous line's sha256, chains the entries: an edited line breaks the next one's link
+    entry: dict[str, JsonValue] = {"seq": seq, "prev": prev, "stage": stage, "kind": kind, "label": label}
+    entry |= {"elapsed_s": elapsed_s, "data": data}
     if blob is not None:
         entry |= {"blob_sha256": sha256_bytes(blob), "blob_b64": base64.b64encode(blob).decode("ascii")}
     return (json.dumps(entry, allow_nan=False, ensure_ascii=False, separators=(",", ":")) + "\n").encode()
@@ -100,13 +112,14 @@ def _entry(line: bytes) -> Entry:
     blob = None if "blob_b64" not in obj else base64.b64decode(obj["blob_b64"], validate=True)
     if blob is not None and sha256_bytes(blob) != obj["blob_sha256"]:
         raise ValueError("blob_sha256 does not match the blob")
-    fields = (obj["seq"], obj["stage"], obj["kind"], obj["label"], obj["elapsed_s"], obj["data"])
+    fields = (obj["seq"], obj["prev"], obj["stage"], obj["kind"], obj["label"], obj["elapsed_s"], obj["data"])
     return Entry(*fields, blob=blob, sha256=sha256_bytes(line))
 
 
 def read_entries(path: Path) -> list[Entry]:
     """The journal's entries in order; [] when there is none. A torn last line (a kill mid-append)
-    is dropped; any other line that is not the next entry fails with the line's number."""
+    (no newline yet) is dropped; any other line that is not the next entry, chained to the one before,
+    fails with the line's number."""
     try:
         lines = path.read_bytes().splitlines(keepends=True)
     except FileNotFoundError:
@@ -115,10 +128,10 @@ def read_entries(path: Path) -> list[Entry]:
     for i, line in enumerate(lines, 1):
         try:
             entry = _entry(line)
-            if entry.seq != i or not line.endswith(b"\n"):
-                raise ValueError(f"expected entry {i}, a whole line")
+            if entry.seq != i or entry.prev != (out[-1].sha256 if out else "") or not line.endswith(b"\n"):
+                raise ValueError(f"expected entry {i}, chained to the line before, a whole line")
         except (ValueError, KeyError, TypeError) as exc:
-            if i == len(lines):
+            if i == len(lines) and not line.endswith(b"\n"):
                 break  # torn by a kill while it was appended: the append never returned
             raise JournalError(f"{path}: line {i} is not journal entry {i} ({exc})") from None
         out.append(entry)
