@@ -12,9 +12,10 @@ import pytest
 
 from dppo_harness.evaluation import stats
 from dppo_harness.loss import loss_registry
-from dppo_harness.stages.comparison.decision import OBSERVATIONS_FILE, decide_criteria
+from dppo_harness.stages.comparison.decision import decide_criteria
 from dppo_harness.stages.comparison.evaluate import BASE_ARM
 from dppo_harness.stages.comparison.step_rows import fraction_names
+from dppo_harness.stages.write import OBSERVATIONS_FILE
 
 
 def _session_index(evidence_bundle) -> int:
@@ -79,7 +80,7 @@ def test_treatment_mask_fires_in_the_comparison(comparison_run, evidence_bundle,
 
 def test_every_scored_model_has_accuracy_n_and_invalid_outputs_under_its_own_key(comparison_run, evidence_bundle, plan):
     result = evidence_bundle.result
-    for s in comparison_run.scores:
+    for s in result["evaluation"]["scores"]:
         for where in (result["metrics"]["arms"], result["evidence"]["per_arm_metrics"]):
             m = where[s["arm"]]
             assert m["accuracy"] == s["value"] and m["eval_n"] == plan.run.eval_items
@@ -110,9 +111,9 @@ def test_report_shows_the_truncation_plot_and_the_informational_interval(compari
 def test_predictions_observations_and_decision_are_consistent(comparison_run, evidence_bundle, plan):
     run = comparison_run
     n = plan.run.eval_items
-    scored = {s["arm"] for s in run.scores}
-    assert scored == {BASE_ARM} | {a.name for a in plan.run.arms}
-    for s in run.scores:
+    scores = evidence_bundle.result["evaluation"]["scores"]
+    assert {s["arm"] for s in scores} == {BASE_ARM} | {a.name for a in plan.run.arms}
+    for s in scores:
         rows = [json.loads(x) for x in evidence_bundle.file_path(s["predictions_ref"]).read_text().splitlines()]
         assert len(rows) == n and all({"item_id", "arm", "prediction", "reference"} <= set(r) for r in rows)
     obs_path = evidence_bundle.file_path(OBSERVATIONS_FILE)

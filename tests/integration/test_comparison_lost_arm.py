@@ -26,6 +26,7 @@ from dppo_harness.evidence import EvidenceBundle, verify_bundle
 from dppo_harness.plans import load_plan
 from dppo_harness.service.observed import create_from_state_with_response, make_service_client
 from dppo_harness.stages.comparison.run import run_comparison
+from dppo_harness.stages.write import write_comparison
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -72,6 +73,7 @@ def _run(tmp_path: Path, *lost_at: int):
                 tag="lost",
                 base_model=constants.BASE_MODEL,  # the name the spindle profile serves
             )
+            write_comparison(bundle, run)
             return run, bundle, path, lines, srv.stats()
         finally:
             sc.release(30.0)
@@ -114,5 +116,4 @@ def test_an_arm_lost_twice_stops_the_run_naming_the_model(tmp_path):
     assert "the service lost the model" in run.stopped and lost["model_id"] not in run.stopped  # a new model
     assert "(model " in run.stopped
     assert run.final["status"] == "failed" and run.final["outcome_reason"] == "incomplete_execution"
-    bundle.update_result(**run.final)
     assert verify_bundle(bundle.dir) == []

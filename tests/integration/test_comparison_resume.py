@@ -26,6 +26,7 @@ from dppo_harness.service.wait.policy import WaitPolicy
 from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.state import state_path
+from dppo_harness.stages.write import write_comparison
 
 os.environ.setdefault("TINKER_TELEMETRY", "0")
 PLAN = load_plan(Path(__file__).parents[2] / "tests" / "fixtures" / "plans" / "comparison-ci-small.json")
@@ -108,9 +109,11 @@ def _restoration(sc, init):
 def _run(engine, tmp_path, name, **kw):
     sc, init = engine[:2]
     bundle = EvidenceBundle.create(tmp_path / name)
-    return comparison_run.run_comparison(
+    run = comparison_run.run_comparison(
         sc, PLAN, bundle, _restoration(sc, init), backend="local", state_root=tmp_path / "state", tag=name, **kw
-    ), bundle
+    )
+    write_comparison(bundle, run)  # as the stage fixture does
+    return run, bundle
 
 
 # Token-derived fields exactly, logprob-derived floats within C.RESUME_FLOAT_ATOL (two

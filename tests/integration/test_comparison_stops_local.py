@@ -24,6 +24,7 @@ from dppo_harness.service.observed import create_from_state_with_response
 from dppo_harness.stages.comparison import run as comparison_run
 from dppo_harness.stages.comparison.run import StopRequested, run_comparison
 from dppo_harness.stages.comparison.wall_guard import FINALIZE_RESERVE_S, WallGuard
+from dppo_harness.stages.write import write_comparison
 
 pytestmark = pytest.mark.timeout(900)
 os.environ.setdefault("TINKER_TELEMETRY", "0")
@@ -57,9 +58,9 @@ def _run(engine, tmp_path, name, **kw):
         provenance={"arms": {a: {"restore_count": 1, "optimizer_checks": []} for a in clients}},
     )
     bundle = EvidenceBundle.create(tmp_path / name)
-    return run_comparison(
-        sc, PLAN, bundle, restoration, backend="local", state_root=tmp_path / "state", tag=name, **kw
-    ), bundle
+    run = run_comparison(sc, PLAN, bundle, restoration, backend="local", state_root=tmp_path / "state", tag=name, **kw)
+    write_comparison(bundle, run)  # what the stage fixture does: a stopped run's files and its final
+    return run, bundle
 
 
 def _training_block(bundle, resumed=0):
@@ -67,12 +68,11 @@ def _training_block(bundle, resumed=0):
 
 
 def _assert_stopped_with_evidence(run, bundle, steps_done):
-    assert run.steps_completed == steps_done and run.scores == ()  # nothing evaluated
+    assert run.steps_completed == steps_done and run.evaluated == ()  # nothing evaluated
     assert run.final["status"] == "failed" and run.final["verdict"] == "inconclusive"
     assert run.final["outcome_reason"] == "incomplete_execution"
     assert f"stopped after {steps_done} of 2 rollout steps" in run.final["summary"]
-    bundle.update_result(**run.final)  # what the stage fixture posts
-    assert verify_bundle(bundle.dir) == []
+    assert bundle.result["status"] == "failed" and verify_bundle(bundle.dir) == []
 
 
 def test_the_wall_guard_stops_before_a_step_that_would_pass_the_budget(engine, tmp_path):

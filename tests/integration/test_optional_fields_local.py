@@ -35,7 +35,7 @@ from dppo_harness.stages import restoration as restoration_module
 from dppo_harness.stages.comparison.run import run_comparison
 from dppo_harness.stages.diagnostic.loop import run_bounded_diagnostic
 from dppo_harness.stages.restoration import build_fixed_batch
-from dppo_harness.stages.write import write_restoration
+from dppo_harness.stages.write import write_comparison, write_restoration
 from dppo_harness.train.clients import RestorationError
 
 pytestmark = pytest.mark.timeout(900)
@@ -184,11 +184,11 @@ def test_the_comparison_without_sampler_logprobs_stops_with_evidence(served, tmp
         schedule="interleaved",
         tag="omit",
     )
-    assert run.steps_completed == 0 and run.scores == ()
+    write_comparison(bundle, run)  # as the stage fixture does: its files and the stopped run's final
+    assert run.steps_completed == 0 and run.evaluated == ()
     assert run.stopped.startswith("RolloutError") and "SampledSequence.logprobs" in run.stopped
     assert run.final["status"] == "failed" and run.final["outcome_reason"] == "incomplete_execution"
     assert "stopped after 0 of 2 rollout steps" in run.final["summary"]
-    bundle.update_result(**run.final)  # what the stage fixture posts: a valid final result
     assert bundle.result["status"] == "failed" and verify_bundle(bundle.dir) == []
 
 

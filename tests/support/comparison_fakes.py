@@ -13,6 +13,7 @@ from dppo_harness.evidence import EvidenceBundle
 from dppo_harness.plans import load_plan
 from dppo_harness.service.wait.policy import CAPACITY_SCALE_VAR, WaitPolicy
 from dppo_harness.stages.comparison import run as comparison_run
+from dppo_harness.stages.write import write_comparison
 
 PLAN = load_plan(Path(__file__).parents[2] / "plans" / "rehearsal" / "comparison-local.json")
 
@@ -83,8 +84,7 @@ def run_fake(tmp_path: Path, monkeypatch: Any, steps: int, arm_step: Any = updat
     )
     monkeypatch.setattr(comparison_run.tokenizer, "make_renderer", lambda: SimpleNamespace(renderer=None))
     decision = {"criteria": [], "verdict": "inconclusive", "outcome_reason": "fake evaluation"}
-    monkeypatch.setattr(comparison_run, "evaluate_and_decide", lambda *a, **k: ([], decision, []))
-    monkeypatch.setattr(comparison_run.report, "write_comparison_report", lambda *a, **k: {})
+    monkeypatch.setattr(comparison_run, "evaluate_and_decide", lambda *a, **k: (decision, {}))
     restoration = SimpleNamespace(
         initial_checkpoint="tinker://init/weights/initial",
         clients=clients,
@@ -95,4 +95,5 @@ def run_fake(tmp_path: Path, monkeypatch: Any, steps: int, arm_step: Any = updat
     result = comparison_run.run_comparison(
         object(), plan, bundle, restoration, backend="local", state_root=tmp_path / "state", **kwargs
     )
+    write_comparison(bundle, dataclasses.replace(result, evaluator=None))  # the fake evaluation writes nothing
     return result, bundle, clients

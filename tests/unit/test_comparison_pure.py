@@ -16,7 +16,6 @@ from dppo_harness.loss.terms import LossStats
 from dppo_harness.plans import PlanError, load_plan, parse_plan
 from dppo_harness.stages.comparison.config import ComparisonError, step_seed
 from dppo_harness.stages.comparison.decision import (
-    OBSERVATIONS_FILE,
     CriterionDecision,
     decide_criteria,
     decision_block,
@@ -30,6 +29,7 @@ from dppo_harness.stages.comparison.state import (
     state_path,
 )
 from dppo_harness.stages.comparison.step_rows import arm_summary, step_line, step_metrics
+from dppo_harness.stages.write import OBSERVATIONS_FILE
 
 ROOT = Path(__file__).parents[2]
 SPEC = load_plan(ROOT / "plans" / "exp_e6b0965af3.json")

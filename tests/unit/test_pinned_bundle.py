@@ -14,6 +14,7 @@ from dppo_harness.loss.terms import row_fraction
 from dppo_harness.plans.run_config import CriterionConfig
 from dppo_harness.stages.comparison import decision
 from dppo_harness.stages.comparison.step_rows import fraction_names, jsonl
+from dppo_harness.stages.write import DECISION_FILE
 
 PINNED = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "comparison-rehearsal"
 FRACTIONS = ("dppo_masked_frac", "ppo_clip_frac", "last_update_masked_frac", "last_update_clip_frac")
@@ -73,11 +74,11 @@ def test_the_decision_rebuilds_from_the_pinned_observations():
             rows, criteria[0].treatment, criteria[0].baseline, alpha=alpha, metric=criteria[0].metric
         ),
     )
-    assert json_file_bytes(decision.DECISION_FILE, block) == pinned
+    assert json_file_bytes(DECISION_FILE, block) == pinned
     changed = decision.decision_block(
         observations + b"\n", decided, decision.verdict(decided, rehearsal=True), rehearsal=True
     )
-    assert json_file_bytes(decision.DECISION_FILE, changed) != pinned
+    assert json_file_bytes(DECISION_FILE, changed) != pinned
 
 
 def test_the_result_and_its_backend_block_validate_and_rebuild():

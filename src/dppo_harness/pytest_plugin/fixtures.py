@@ -445,10 +445,9 @@ def comparison_run(
     except ComparisonError as exc:  # a refused resume or configuration: its one line
         line = str(exc)
     else:
+        write.write_comparison(bundle, run)
         # The stage's final status/verdict/outcome_reason, written at session end only if no test failed.
         state.outcome = {k: v for k, v in run.final.items() if k != "capacity_block"}
-        if run.stopped is not None:  # stopped with evidence (capacity, wall clock...): the result says why now
-            bundle.update_result(**run.final)
         return run
     finally:
         h.waiter.budget_left = None

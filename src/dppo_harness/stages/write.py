@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from dppo_harness.service.connectivity import ConnectivityReport
     from dppo_harness.service.wait.policy import CapacityBlock
     from dppo_harness.stages import feasibility, gate, restoration
+    from dppo_harness.stages.comparison.run import ComparisonResult
 
 RESPONSES_FILE = "restoration-server-responses.json"
 PROBE_FILE = "restoration-probe.json"
@@ -26,6 +27,9 @@ FIXED_BATCH_FILE = "restoration-fixed-batch.json"
 PILOT_FILE = "feasibility-pilot.json"
 GATE_REPORT_FILE = "activation-gate-report.json"
 CONNECTIVITY_FILE = "connectivity-preflight.json"
+STEPS_FILE = "comparison-steps.jsonl"  # a resumed session's: comparison-steps-<N>.jsonl
+OBSERVATIONS_FILE = "scored-observations.jsonl"
+DECISION_FILE = "comparison-decision.json"
 NOTHING_TRAINED = "nothing: the run stopped on service capacity before any training"
 
 
@@ -131,3 +135,41 @@ def write_gate(bundle: EvidenceBundle, report: gate.GateReport) -> None:
     )
     values = {k: (v if v is not None else "missing") for k, v in report.values.items()}
     bundle.update_result(activation_calibration={"values": values, "note": note})
+
+
+def write_comparison(bundle: EvidenceBundle, r: ComparisonResult) -> None:
+    """The training's files, stopped or not (the run's manifest, its rows, its state after training),
+    a stopped run's `final`; then what was evaluated: the evaluator, each scored model's predictions,
+    the `evaluation` block and accuracies; once decided, the observations, the decision and report.md."""
+    from dppo_harness.evaluation import greedy  # the SDK: loaded by the stage already
+    from dppo_harness.evidence import report  # matplotlib: for the comparison only
+    from dppo_harness.stages.comparison.step_rows import jsonl  # torch: loaded by the stage already
+
+    n = r.manifest["resumed_sessions"]
+    bundle.register_json(f"comparison-run-{n}.json", "manifest", r.manifest)
+    bundle.register_bytes(f"comparison-steps-{n}.jsonl" if n else STEPS_FILE, "metrics", jsonl(r.rows))
+    bundle.register_json(f"comparison-state-r{n}-end.json", "manifest", r.end_state)
+    if r.stopped is not None:  # stopped with evidence (capacity, wall clock...): the result says why now
+        bundle.update_result(**r.final)
+    if (e := r.evaluator) is None:
+        return
+    evaluator = {"evaluator_id": e.evaluator_id, "provenance": e.provenance, "code_manifest": e.code_manifest}
+    bundle.register_json(f"evaluator-{e.evaluator_id[:16]}.json", "manifest", {**evaluator, "deviation": e.deviation})
+    scores: list[JsonObject] = []
+    for res in r.evaluated:
+        name = f"predictions-{res.arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
+        bundle.register_bytes(name, "predictions", res.predictions_jsonl())
+        scores.append(res.score(name))
+    if scores:
+        accuracy = {f"eval/accuracy/{res.arm}": res.accuracy for res in r.evaluated}
+        comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in r.criteria]
+        bundle.update_result(evaluation=greedy.evaluation_object(e, scores, comparisons), metrics=accuracy)
+    if r.decision is None:
+        return
+    # the arms' observations (the base model is scored first), the bytes the decision hashed
+    bundle.register_bytes(OBSERVATIONS_FILE, "metrics", greedy.observations_jsonl(r.evaluated[1:]))
+    bundle.register_json(DECISION_FILE, "metrics", r.decision)
+    bundle.update_result(decision=r.decision, metrics=r.decision_metrics)
+    resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if n else None
+    rows = [as_object(x) for x in r.rows]
+    report.write_comparison_report(bundle, rows, scores, r.decision, r.backend, max_tokens=e.max_tokens, resume=resume)

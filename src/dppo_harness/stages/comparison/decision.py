@@ -15,14 +15,13 @@ from pydantic import JsonValue
 
 from dppo_harness.evaluation import stats
 from dppo_harness.json_types import JsonObject, num
+from dppo_harness.stages.write import OBSERVATIONS_FILE
 
 if TYPE_CHECKING:
     from dppo_harness.plans import CriterionConfig, RunConfig
 
 # One scored observation (a line of the observations file: item, arm, metric values), as JSON.
 Observation = dict[str, JsonValue]
-OBSERVATIONS_FILE = "scored-observations.jsonl"
-DECISION_FILE = "comparison-decision.json"
 # What a criterion's entry in the decision object carries of its interval.
 INTERVAL_KEYS = (
     "n",

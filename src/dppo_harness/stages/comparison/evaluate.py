@@ -1,6 +1,6 @@
 """Evaluation of the paired comparison, then its decision: one frozen evaluator (frozen before
-training) scores the base model and each arm's final checkpoint; the arms' rows form
-`scored-observations.jsonl`, on which the decision (`decision`) is computed and posted."""
+training) scores the base model and each arm's final checkpoint; the decision (`decision`) is
+computed on the arms' scored observations."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from dppo_harness.data import dataset, tokenizer
 from dppo_harness.evaluation import greedy as evaluation
 from dppo_harness.evidence.progress import Ticker
-from dppo_harness.json_types import JsonObject, num
+from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison import decision as comparison_decision
 from dppo_harness.stages.comparison.state import RunState
 
@@ -72,32 +72,19 @@ def evaluate_and_decide(
     bundle: EvidenceBundle,
     rehearsal: bool,
     progress: Callable[[str], None],
-    base_model: str,
-) -> tuple[list[JsonObject], JsonObject, list[str]]:
+    base_model: str | None,
+    results: list[evaluation.EvalResult],
+) -> tuple[JsonObject, dict[str, float]]:
     """The served model the arms were created on (the "base" arm), then each arm's final sampler
-    checkpoint, greedy, one frozen evaluator. After each: its predictions file, the evaluation block
-    and accuracy metrics so far, its own metrics under its arm's key, its terminal line. Then the
-    decision on the arms' scored observations. Returns (scores, decision block, files written)."""
-    files = [f"evaluator-{evaluator.evaluator_id[:16]}.json"]  # its identity, provenance and deviation
-    bundle.register_json(
-        files[0],
-        "manifest",
-        {
-            "evaluator_id": evaluator.evaluator_id,
-            "provenance": evaluator.provenance,
-            "code_manifest": evaluator.code_manifest,
-            "deviation": evaluator.deviation,
-        },
-    )
-    comparisons: list[JsonObject] = [{"metric": c.metric, "arms": [c.baseline, c.treatment]} for c in run.criteria]
-    max_tokens, n = run.max_tokens, len(evaluator.items)
-    scores: list[JsonObject] = []
-    arm_results: list[evaluation.EvalResult] = []
+    checkpoint, greedy, one frozen evaluator, each appended to `results` as scored. After each: its
+    own metrics under its arm's key, its terminal line. Returns the decision on the arms' scored
+    observations and its result.json metrics."""
+    max_tokens, n, base = run.max_tokens, len(evaluator.items), base_model or run.base_model
     t0 = time.perf_counter()
     for arm in [BASE_ARM, *(a.name for a in run.arms)]:
         if arm == BASE_ARM:
-            client = service_client.create_sampling_client(base_model=base_model)
-            checkpoint, what = f"base:{base_model}", "the base model"
+            client = service_client.create_sampling_client(base_model=base)
+            checkpoint, what = f"base:{base}", "the base model"
             progress(f"[comparison] evaluating the base model on {n} test items (greedy)")
         else:
             path = state.arms[arm].final_sampler
@@ -107,21 +94,8 @@ def evaluate_and_decide(
         ticker = Ticker(progress, f"[comparison] evaluating {what}", total=n, every_s=15.0)  # a line as answers come
         on_item = partial(ticker.tick, detail="items answered")
         res = evaluation.evaluate(client, evaluator, arm=arm, seed=run.seed, checkpoint=checkpoint, on_item=on_item)
-        name = f"predictions-{arm}-seed{res.seed}-{res.evaluator_id[:8]}.jsonl"
-        bundle.register_bytes(name, "predictions", res.predictions_jsonl())
-        scores.append(res.score(name))
-        files.append(name)
-        bundle.update_result(
-            evaluation=evaluation.evaluation_object(evaluator, scores, comparisons),
-            metrics={f"eval/accuracy/{s['arm']}": float(num(s["value"])) for s in scores},
-        )
+        results.append(res)
         bundle.post_arm_metrics(arm, res.arm_metrics(max_tokens))
         progress(eval_line(res, max_tokens, time.perf_counter() - t0))
-        if arm != BASE_ARM:
-            arm_results.append(res)
-    obs = evaluation.observations_jsonl(arm_results)
-    bundle.register_bytes(comparison_decision.OBSERVATIONS_FILE, "metrics", obs)
-    decision, metrics = comparison_decision.decide(obs, run, rehearsal=rehearsal, eval_seconds=time.perf_counter() - t0)
-    bundle.register_json(comparison_decision.DECISION_FILE, "metrics", decision)
-    bundle.update_result(decision=decision, metrics=metrics)
-    return scores, decision, [*files, comparison_decision.OBSERVATIONS_FILE, comparison_decision.DECISION_FILE]
+    obs = evaluation.observations_jsonl(results[1:])  # the arms'
+    return comparison_decision.decide(obs, run, rehearsal=rehearsal, eval_seconds=time.perf_counter() - t0)

@@ -3,16 +3,17 @@
 restore the arms (the preflight's loaded clients, or each arm's last common save on a resume) ->
 for each rollout step: the wall guard, then for each arm its step (capacity retry from the step's
 start), its row, its state saved every `save_every` steps -> finalize each arm after its last
-step -> evaluate base and both final checkpoints with one frozen evaluator -> the paired decision
--> report. A model the service loses is replaced once from its arm's last save inside the loop.
-Any stop before every arm finished leaves the evidence written so far and a failed final.
+step -> evaluate base and both final checkpoints with one frozen evaluator -> the paired decision.
+A model the service loses is replaced once from its arm's last save inside the loop. Any stop
+before every arm finished returns the training so far and a failed final; `write.write_comparison`
+turns the result into files.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -21,13 +22,12 @@ import tinker
 
 import dppo_harness
 from dppo_harness.data import dataset, tokenizer
-from dppo_harness.evidence import report
 from dppo_harness.evidence.backend import backend_of, session_served
 from dppo_harness.evidence.journal import Journal
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.evidence.provenance import package_files_sha256
 from dppo_harness.instrument import instrumentation as ins
-from dppo_harness.json_types import JsonObject, as_object, as_value
+from dppo_harness.json_types import JsonObject, as_value
 from dppo_harness.loss import losses
 from dppo_harness.service.observed import ClientRegistry
 from dppo_harness.service.wait.policy import (
@@ -50,7 +50,6 @@ from dppo_harness.stages.comparison.config import (
 from dppo_harness.stages.comparison.evaluate import evaluate_and_decide, frozen_evaluator
 from dppo_harness.stages.comparison.resume import open_resumed, reuse_setup, snapshot_ref
 from dppo_harness.stages.comparison.state import (
-    STEPS_FILE,
     ArmState,
     RunState,
     StepRetry,
@@ -60,13 +59,13 @@ from dppo_harness.stages.comparison.state import (
 from dppo_harness.stages.comparison.step_rows import (
     StepRowJson,
     arm_summary,
-    jsonl,
     kl_sample_train,
     step_line,
     step_metrics,
     trajectory_metrics,
 )
 from dppo_harness.stages.comparison.wall_guard import WallGuard
+from dppo_harness.stages.write import write_comparison
 from dppo_harness.train.clients import dump_response, server_info
 from dppo_harness.train.optimizer_checks import optimizer_check
 from dppo_harness.train.restore import restore
@@ -75,8 +74,9 @@ if TYPE_CHECKING:
     from tinker_cookbook import renderers
 
     from dppo_harness.data.gsm8k import Gsm8kItem
+    from dppo_harness.evaluation.greedy import EvalResult, FrozenEvaluator
     from dppo_harness.evidence import EvidenceBundle
-    from dppo_harness.plans import ArmConfig, Plan, RunConfig
+    from dppo_harness.plans import ArmConfig, CriterionConfig, Plan, RunConfig
     from dppo_harness.stages.restoration import RestorationResult
 
 T = TypeVar("T")
@@ -96,10 +96,15 @@ class ComparisonResult:
     schedule: str
     stopped: str | None  # None when every arm finished
     capacity_block: JsonObject | None
-    scores: tuple[JsonObject, ...] = ()
-    decision: JsonObject | None = None
+    manifest: Mapping[str, object]  # the run's: sessions, schedule, evaluator, plan, config
+    end_state: Mapping[str, object]  # the run state after training, with its `training` block
     final: JsonObject = field(default_factory=dict)  # status, verdict, outcome_reason
-    files: tuple[str, ...] = ()
+    evaluator: FrozenEvaluator | None = None  # None when it stopped before evaluating
+    evaluated: tuple[EvalResult, ...] = ()  # the base model first, then each arm, as scored
+    decision: JsonObject | None = None  # once every model is scored
+    decision_metrics: dict[str, float] = field(default_factory=dict)
+    criteria: Sequence[CriterionConfig] = ()  # the plan's: the result's `evaluation.comparisons`
+    backend: str = ""  # for the report's title
 
 
 def run_comparison(
@@ -122,7 +127,7 @@ def run_comparison(
     schedule_source: str = "given",
     guard: WallGuard | None = None,
 ) -> ComparisonResult:
-    """Run (or continue, `resume_run_id`) the paired comparison and write its evidence. A stop (wall
+    """Run (or continue, `resume_run_id`) the paired comparison. A stop (wall
     guard, optimizer mismatch, an unusable response, capacity, a service stop, StopRequested)
     returns a failed / inconclusive / incomplete_execution final with the reason."""
     if plan.run is None:
@@ -219,13 +224,9 @@ def run_comparison(
         steps_completed = min(s.steps_done for s in state.arms.values())
 
         state.save(spath)
-        # the training's files, stopped or not: the run's manifest, its rows, its state after training
-        r = state.resumed
-        files = [f"comparison-run-{r}.json", f"comparison-steps-{r}.jsonl" if r else STEPS_FILE]
-        files.append(f"comparison-state-r{r}-end.json")
         manifest = {
             "run_id": state.run_id,
-            "resumed_sessions": r,
+            "resumed_sessions": state.resumed,
             "sessions": state.sessions,
             "resumes": state.resumes,
             "save_every": save_every,
@@ -245,31 +246,25 @@ def run_comparison(
             "steps_completed": steps_completed,
             "wall_guard": guard.as_dict() if guard is not None else None,
         }
-        bundle.register_json(files[0], "manifest", manifest)
-        bundle.register_bytes(files[1], "metrics", jsonl(state.rows))
-        bundle.register_json(files[2], "manifest", {**state.to_json(), "training": training})
-        trained = (state.run_id, tuple(state.rows), steps_completed, schedule)
+        end_state = {**state.to_json(), "training": training}
+        trained = ComparisonResult(
+            state.run_id, tuple(state.rows), steps_completed, schedule, stopped, capacity_block, manifest, end_state
+        )
         if stopped is not None:
             final = _final(plan, bundle, steps_completed, stopped=stopped, capacity_block=capacity_block)
-            return ComparisonResult(*trained, stopped, capacity_block, final=final, files=tuple(files))
+            return replace(trained, final=final)
 
-        scores, decision, eval_files = evaluate_and_decide(
-            service_client, run, state, evaluator, bundle, rehearsal, progress, base_model or run.base_model
-        )
-        resume = (bundle.result.get("initialization_provenance") or {}).get("resume") if state.resumed else None
-        report_files = report.write_comparison_report(
-            bundle,
-            [as_object(r) for r in state.rows],
-            list(scores),
-            decision,
-            backend,
-            max_tokens=run.max_tokens,
-            resume=resume,
-        ).values()
-        final = _final(plan, bundle, steps_completed, scores=scores, decision=decision, rehearsal=rehearsal)
-        return ComparisonResult(
-            *trained, None, None, tuple(scores), decision, final, (*files, *eval_files, *report_files)
-        )
+        results: list[EvalResult] = []
+        trained = replace(trained, evaluator=evaluator, criteria=run.criteria, backend=backend)
+        try:
+            decision, metrics = evaluate_and_decide(
+                service_client, run, state, evaluator, bundle, rehearsal, progress, base_model, results
+            )
+        except BaseException:  # a stop while evaluating: the training and the models scored so far are written still
+            write_comparison(bundle, replace(trained, evaluated=tuple(results)))
+            raise
+        final = _final(plan, bundle, steps_completed, results=results, decision=decision, rehearsal=rehearsal)
+        return replace(trained, final=final, evaluated=tuple(results), decision=decision, decision_metrics=metrics)
 
 
 # ---- the arms ---------------------------------------------------------------------------------
@@ -608,7 +603,7 @@ def _final(
     *,
     stopped: str | None = None,
     capacity_block: JsonObject | None = None,
-    scores: Sequence[JsonObject] = (),
+    results: Sequence[EvalResult] = (),
     decision: Mapping[str, Any] | None = None,
     rehearsal: bool = False,
 ) -> JsonObject:
@@ -635,7 +630,7 @@ def _final(
         if capacity_block is not None:
             final["capacity_block"] = capacity_block
         return final
-    acc = ", ".join(f"{sc['arm']} {sc['value']:.3f}" for sc in scores)
+    acc = ", ".join(f"{res.arm} {res.accuracy:.3f}" for res in results)
     diffs = "; ".join(
         f"{c['treatment']} minus {c['baseline']} {c['mean_difference']:.4g} with "
         f"{100 * (1 - c['alpha']):g}% paired Hoeffding CI [{c['lower']:.4g}, {c['upper']:.4g}]"

@@ -17,7 +17,6 @@ from dppo_harness.json_types import JsonObject
 from dppo_harness.stages.comparison.config import ComparisonError
 from dppo_harness.stages.comparison.step_rows import StepRowJson
 
-STEPS_FILE = "comparison-steps.jsonl"
 STATE_FILE = "comparison-state.json"
 
 
