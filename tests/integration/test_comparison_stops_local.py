@@ -145,5 +145,5 @@ def test_a_service_stop_mid_run_still_registers_the_training_so_far(engine, tmp_
     _assert_stopped_with_evidence(run, bundle, 1)
     block = _training_block(bundle)
     assert block["stopped"] == run.stopped and block["steps_completed"] == 1
-    steps = [f for f in run.files if "steps" in f]
-    assert steps and len(bundle.file_path(steps[0]).read_text().splitlines()) == 2  # both arms' step 1
+    steps = bundle.file_path("comparison-steps.jsonl").read_text().splitlines()
+    assert len(steps) == 2  # both arms' step 1
