@@ -172,6 +172,11 @@ def test_resumed_rehearsal_matches_an_uninterrupted_run(engine, uninterrupted, k
         a: s["state_path"] for a, s in saved["arms"].items()
     }
     assert resumed.decision["verdict"] == "inconclusive" and resumed.decision["rehearsal"]
+    # Each scored model's predictions are journaled as scored (a kill while evaluating keeps them),
+    # with the bytes the writer registers at the end.
+    scored = [e for e in bundle.journal.entries("record", "comparison") if e.label.startswith("evaluated ")]
+    assert [e.label for e in scored] == [f"evaluated {r.arm}" for r in resumed.evaluated]
+    assert [e.blob for e in scored] == [r.predictions_jsonl() for r in resumed.evaluated]
     # Both bundles verify: every evidence_ref written on resume names a registered file.
     assert verify_bundle(first_bundle.dir) == [] and verify_bundle(bundle.dir) == []
     resume = bundle.result["initialization_provenance"]["resume"]

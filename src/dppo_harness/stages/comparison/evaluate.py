@@ -77,7 +77,7 @@ def evaluate_and_decide(
 ) -> tuple[JsonObject, dict[str, float]]:
     """The served model the arms were created on (the "base" arm), then each arm's final sampler
     checkpoint, greedy, one frozen evaluator, each appended to `results` as scored. After each: its
-    own metrics under its arm's key, its terminal line. Returns the decision on the arms' scored
+    own metrics under its arm's key, its predictions in the journal, its terminal line. Returns the decision on the arms' scored
     observations and its result.json metrics."""
     max_tokens, n, base = run.max_tokens, len(evaluator.items), base_model or run.base_model
     t0 = time.perf_counter()
@@ -96,6 +96,7 @@ def evaluate_and_decide(
         res = evaluation.evaluate(client, evaluator, arm=arm, seed=run.seed, checkpoint=checkpoint, on_item=on_item)
         results.append(res)
         bundle.post_arm_metrics(arm, res.arm_metrics(max_tokens))
+        bundle.journal.append("comparison", "record", f"evaluated {arm}", checkpoint, blob=res.predictions_jsonl())
         progress(eval_line(res, max_tokens, time.perf_counter() - t0))
     obs = evaluation.observations_jsonl(results[1:])  # the arms'
     return comparison_decision.decide(obs, run, rehearsal=rehearsal, eval_seconds=time.perf_counter() - t0)
