@@ -112,8 +112,10 @@ def resume_problems(state: RunState, *, plan_sha256: str, evaluator_id: str, cod
     ):
         if saved != now:
             out.append(f"{what} changed since run {state.run_id}: saved {saved[:16]}, now {now[:16]}")
+    # Arm after arm, the arms are at most one step apart; an arm replaced after a lost model trains
+    # again from its last save, so it alone may lag further (the rewind pairs them again).
     steps = [s.steps_done for s in state.arms.values()]
-    if steps and max(steps) - min(steps) > 1:
+    if any(max(steps) - s.steps_done > 1 and not s.lost_models for s in state.arms.values()):
         out.append(f"arms are {max(steps) - min(steps)} steps apart ({steps}): not a paired step boundary")
     return out
 
