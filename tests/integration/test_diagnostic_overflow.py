@@ -79,7 +79,10 @@ def test_a_diagnostic_past_one_file_per_update_closes_within_the_bundle(tmp_path
     assert set(CLOSING) <= set(registered), sorted(set(CLOSING) - set(registered))
     assert archives == ["diagnostic-updates-01-08.npz", "diagnostic-updates-09-16.npz", "diagnostic-updates-17-24.npz"]
     journal = read_entries(bundle / JOURNAL_FILE)  # what a kill would have left: every record, the snapshots
-    assert [e.label for e in journal if e.kind == "record"] == [f"update {u}" for u in range(1, updates + 1)]
+    records = [e.label for e in journal if e.kind == "record"]
+    assert records == ["frozen batch", *(f"update {u}" for u in range(1, updates + 1))]
+    frozen = (bundle / "files" / "diagnostic-frozen-batch.npz").read_bytes()
+    assert next(e.blob for e in journal if e.label == "frozen batch") == frozen  # the writer registers those bytes
     assert [e.label for e in journal if e.kind == "snapshot"][-1] == "stage diagnostic end"
 
     verify = _cli("dppo_harness.evidence", "verify", str(bundle))

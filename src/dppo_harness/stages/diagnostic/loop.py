@@ -37,10 +37,10 @@ from dppo_harness.stages.diagnostic.config import (
 from dppo_harness.stages.diagnostic.write import (
     DiagnosticResult,
     declare,
+    journal_frozen_batch,
     journal_record,
     own_optimizer_check,
     post_progress,
-    register_frozen_batch,
     write_evidence,
 )
 from dppo_harness.stages.restoration import load_ref
@@ -256,7 +256,7 @@ def _freeze_and_split(
     frozen = state.frozen = rollouts.freeze(
         sampled.batch, sampler_version=sampled.sampler_path, extra_metadata={"load": load, "tokenizer": tok.provenance}
     )
-    register_frozen_batch(bundle, frozen)
+    journal_frozen_batch(bundle, frozen)
     bundle.add_checkpoint(d.fixed_settings.treatment.arm, 0, sampled.sampler_path)
     state.rollout_yield = sampled.batch.response_yield().as_dict()
     summary: dict[str, Any] = sampled.batch.summary()

@@ -20,7 +20,7 @@ from pydantic import JsonValue
 
 from dppo_harness.evidence import budget, report
 from dppo_harness.evidence.backend import ServedModel, served_name
-from dppo_harness.evidence.files import MAX_FILE_BYTES
+from dppo_harness.evidence.files import MAX_FILE_BYTES, EvidenceError
 from dppo_harness.instrument import instrumentation as ins
 from dppo_harness.instrument import replay
 from dppo_harness.instrument.instrumentation import ANALYSIS_FILE, FROZEN_BATCH_STEM, pool_calls
@@ -292,11 +292,20 @@ def declare(bundle: EvidenceBundle, plan: Plan) -> SelftestReport:
     return selftest
 
 
-def register_frozen_batch(bundle: EvidenceBundle, frozen: FrozenBatch) -> None:
-    """The frozen batch, registered before any update trains on it (replay re-derives from it)."""
+def journal_frozen_batch(bundle: EvidenceBundle, frozen: FrozenBatch) -> None:
+    """The frozen batch, durable in the journal before any update trains on it (a killed run keeps
+    it); the writer registers these bytes (replay re-derives from them)."""
     npz, manifest = frozen.to_bytes()
-    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", npz)
-    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", manifest)
+    bundle.journal.append("diagnostic", "record", "frozen batch", manifest.decode(), blob=npz)
+
+
+def register_frozen_batch(bundle: EvidenceBundle) -> None:
+    """The frozen batch as the run journaled it."""
+    e = next((e for e in bundle.journal.entries("record", "diagnostic") if e.label == "frozen batch"), None)
+    if e is None or e.blob is None or not isinstance(e.data, str):
+        raise EvidenceError(f"the frozen batch the run sampled is not in {bundle.journal.path}")
+    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.npz", "tensors", e.blob)
+    bundle.register_bytes(f"{FROZEN_BATCH_STEM}.manifest.json", "manifest", e.data.encode())
 
 
 def journal_record(bundle: EvidenceBundle, record: ins.LossCallRecord) -> None:
@@ -342,13 +351,15 @@ def write_evidence(
     spec: ExperimentSpec | None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None,
 ) -> DiagnosticResult:
-    """The update records' archives, then the fixed analysis of what the run measured (however early
+    """The frozen batch and the update records' archives, then the fixed analysis of what the run measured (however early
     it stopped), the sentinels, analysis, next action, the trained arm's provenance, the service-work
     ledger, feasibility, the replay output, the report and the result fields."""
     d = plan.diagnostic
     per_file = budget.updates_per_archive(
         d.schedule.groups_per_minibatch * d.schedule.group_size, d.fixed_settings.sampling.max_tokens
     )
+    if state.frozen is not None:
+        register_frozen_batch(bundle)
     try:
         register_update_archives(bundle, state.records, per_file)
     except Exception as exc:  # recorded: the analysis then says which records are missing
