@@ -9,6 +9,7 @@ from pathlib import Path
 
 from dppo_harness.evidence.progress import Watchdog
 from dppo_harness.loss import correctness
+from dppo_harness.stages import write
 from dppo_harness.stages.correctness_preflight import run_correctness_preflight
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -20,10 +21,7 @@ def test_correctness_preflight_passes_and_is_recorded(restoration, plan, evidenc
         outcome = run_correctness_preflight(
             plan.spec_plan.spec, restoration.lr_scaling, trained, ROOT, progress=watch.say
         )
-    evidence_bundle.register_bytes(outcome.golden.name, "tensors", outcome.golden.read_bytes())
-    evidence_bundle.register_json("correctness-golden-report.json", "metrics", outcome.golden_report_json())
-    evidence_bundle.register_json("correctness-preflight.json", "metrics", outcome.preflight_json())
-    evidence_bundle.update_result(correctness_preflight=outcome.block)
+    write.write_correctness(evidence_bundle, outcome)
     assert outcome.passed, "\n".join(outcome.failures())
     assert evidence_bundle.result["correctness_preflight"] == json.loads(json.dumps(outcome.block))
 
@@ -38,6 +36,5 @@ def test_correctness_validator_exit_code_is_recorded(plan, evidence_bundle, harn
         )
         out = correctness.run_validator_cli(plan.spec_plan.spec_bytes, block)
         watch.say(f"[preflight] correctness: validator exit code {out['exit_code']}")
-    evidence_bundle.register_json("correctness-validator.json", "report", out)
-    evidence_bundle.update_result(metrics={"correctness/validator_exit_code": float(out["exit_code"])})
+    write.write_correctness_validator(evidence_bundle, out, int(out["exit_code"]))
     assert out["exit_code"] == 0, out["stdout"] + out["stderr"]

@@ -191,14 +191,6 @@ class EvidenceBundle:
     def register_json(self, name: str, kind: str, obj: object) -> FileEntry:
         return self.register_bytes(name, kind, json_file_bytes(name, obj))
 
-    def write_beside(self, name: str, data: bytes) -> Path:
-        """Write a sidecar beside the bundle (not registered; scanned at finish and by verify) through
-        the same refusal as every evidence write: disk full or read-only is one line and fails the run."""
-        path = self.dir / name
-        with self._lock:
-            self._write(path, bytes(data))
-        return path
-
     def append_beside(self, name: str, data: bytes) -> None:
         """Append to a sidecar beside the bundle (the journal), scanned first and fsynced before this
         returns, through the same refusal as every evidence write."""

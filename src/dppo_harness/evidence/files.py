@@ -65,7 +65,6 @@ LEDGER_FILE = "ledger.json"
 LATEST_FILE = "LATEST"  # beside the run dirs: the newest run_id
 FILES_DIR = "files"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
-SNAPSHOT_RE = re.compile(r"^result-(\d{4})\.json$")  # result snapshot files: an earlier bundle's (resume)
 RESERVED_NAMES = frozenset({RESULT_FILE, LEDGER_FILE, LATEST_FILE})
 STATE_ROOT = "comparison-state"  # beside the run dirs: comparison-state/<run>/ (state, lock, metrics logs)
 SERVER_DIR = "local-server"  # beside the run dirs: the embedded server a comparison keeps, its server.log

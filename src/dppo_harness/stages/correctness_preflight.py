@@ -1,7 +1,7 @@
 """The correctness preflight as one step: golden parity of the custom loss path, the result's
 ``correctness_preflight`` block with the restoration preflight's LR-scaling probe attached, the
 validator's verdict on that block, and the registry parity of every loss the plan's arms train.
-Nothing here writes files: the stage test records what the result carries.
+Nothing here writes files: `stages.write.write_correctness` records what the result carries.
 """
 
 from __future__ import annotations

@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from dppo_harness.service.wait.policy import CapacityBlock
     from dppo_harness.stages import feasibility, gate, restoration
     from dppo_harness.stages.comparison.run import ComparisonResult
+    from dppo_harness.stages.correctness_preflight import CorrectnessPreflight
 
 RESPONSES_FILE = "restoration-server-responses.json"
 PROBE_FILE = "restoration-probe.json"
@@ -105,6 +106,20 @@ def write_restoration(bundle: EvidenceBundle, r: restoration.RestorationResult) 
         posted["excluded_arms"] = r.provenance["excluded_arms"]
     metrics = {"preflight/restoration_wall_seconds": r.wall_seconds, "preflight/restoration_passed": float(r.passed)}
     bundle.update_result(initialization_provenance=posted, metrics=metrics)
+
+
+def write_correctness(bundle: EvidenceBundle, outcome: CorrectnessPreflight) -> None:
+    """The golden file checked, its report, the validator's verdict with the block, the block itself."""
+    bundle.register_bytes(outcome.golden.name, "tensors", outcome.golden.read_bytes())
+    bundle.register_json("correctness-golden-report.json", "metrics", outcome.golden_report_json())
+    bundle.register_json("correctness-preflight.json", "metrics", outcome.preflight_json())
+    bundle.update_result(correctness_preflight=outcome.block)
+
+
+def write_correctness_validator(bundle: EvidenceBundle, out: JsonObject, exit_code: int) -> None:
+    """The brief's validator on the written block: its output and exit code."""
+    bundle.register_json("correctness-validator.json", "report", out)
+    bundle.update_result(metrics={"correctness/validator_exit_code": float(exit_code)})
 
 
 def write_feasibility(bundle: EvidenceBundle, r: feasibility.FeasibilityResult) -> None:
