@@ -133,7 +133,7 @@ def test_the_resume_is_refused_in_one_line_before_anything_is_reused(tmp_path):
     plan = SimpleNamespace(sha256="p" * 64, run=SimpleNamespace(rollout_steps=3))
     bundle = EvidenceBundle.create(tmp_path / "evidence", "20261203T010000Z-res001", env={})
     with pytest.raises(ComparisonError) as e:
-        comparison_run._run_state(plan, bundle, Journal(bundle), "e" * 64, None, tmp_path / "state", RUN)
+        comparison_run._run_state(plan, bundle, "e" * 64, None, tmp_path / "state", RUN)
     line = str(e.value)
     assert "\n" not in line and line.startswith(f"--resume {RUN} refused: arm grpo's checkpoint record at step 1")
 

@@ -199,8 +199,9 @@ class EvidenceBundle:
             self._write(self.dir / name, bytes(data), append=True)
 
     def reserve_closing(self) -> None:
-        """Keep a file slot for each closing record and CLOSING_BYTES in total until they are registered: any other file that would take them is
-        refused (LimitError), so the close always fits. The ledger records the limits and the reserve."""
+        """Keep a file slot for each closing record and CLOSING_BYTES in total until they are registered:
+        any other file that would take them is refused (LimitError), so the close always fits. The
+        ledger records the limits and the reserve."""
         with self._lock:
             self._closing, self._closing_bytes = frozenset(CLOSING_RECORDS), CLOSING_BYTES
         self.note_ledger(evidence_budget=RECORD)  # note_ledger keeps a copy

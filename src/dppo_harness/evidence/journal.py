@@ -67,7 +67,7 @@ class Journal:
             elapsed = round(self.bundle.elapsed_seconds(), 3)
             line = _line(self._seq + 1, self._prev, stage, kind, label, elapsed, data, blob)
             self.bundle.append_beside(JOURNAL_FILE, line)
-            entry = _entry(line)
+            entry = Entry(self._seq + 1, self._prev, stage, kind, label, elapsed, data, blob, sha256_bytes(line))
             self._seq, self._prev, self._size = entry.seq, entry.sha256, size + len(line)
             return entry
 

@@ -141,8 +141,7 @@ def run_comparison(
         evaluator = frozen_evaluator(
             plan, bundle, embedded=backend == "local" or (block is not None and block.kind == "local")
         )
-        journal = bundle.journal  # every in-loop record of the run goes there
-        state = _run_state(plan, bundle, journal, evaluator.evaluator_id, restoration, state_root, resume_run_id)
+        state = _run_state(plan, bundle, evaluator.evaluator_id, restoration, state_root, resume_run_id)
         if state.resumed:  # the preflight and gate of the run, hash-verified, and where this session starts
             reuse_setup(bundle, state)
         spath = state_path(state_root, state.run_id)
@@ -168,7 +167,7 @@ def run_comparison(
                 registry=registry,
             )
 
-        arms = Arms(service_client, bundle, journal, run, state, spath, save_every, tag, progress)
+        arms = Arms(service_client, bundle, run, state, spath, save_every, tag, progress)
         train = dataset.get(run.dataset).load_split("train", seed=run.seed)
         renderer = tokenizer.make_renderer().renderer
         stopped: str | None = None
@@ -277,7 +276,6 @@ class Arms:
 
     service_client: tinker.ServiceClient
     bundle: EvidenceBundle
-    journal: Journal  # the run's rows and states as they are committed, and each restore's state
     run: RunConfig
     state: RunState
     spath: Path  # the run state file, saved after every row
@@ -300,7 +298,9 @@ class Arms:
             prov_arms = {}
             for a in self.run.arms:
                 path = state.arms[a.name].state_path or state.initial_checkpoint
-                restore_one = partial(restore_arm, self.service_client, state, self.run, a.name, path, self.journal)
+                restore_one = partial(
+                    restore_arm, self.service_client, state, self.run, a.name, path, self.bundle.journal
+                )
                 self.clients[a.name], prov_arms[a.name] = call(restore_one)
             self.bundle.update_result(initialization_provenance={"arms": prov_arms})
 
@@ -408,7 +408,9 @@ class Arms:
         self.state.save(self.spath)
 
     def _restore(self, name: str, path: str) -> None:
-        self.clients[name], prov = restore_arm(self.service_client, self.state, self.run, name, path, self.journal)
+        self.clients[name], prov = restore_arm(
+            self.service_client, self.state, self.run, name, path, self.bundle.journal
+        )
         self.bundle.update_result(initialization_provenance={"arms": {name: prov}})
 
     def commit(self, name: str, row: StepRowJson, tracker: CapacityTracker) -> None:
@@ -425,13 +427,13 @@ class Arms:
             )
             arm.record_save(state.run_id, arm.steps_done, saved.result().path)
         state.rows.append(row)
-        self.journal.append("comparison", "row", f"{name}-s{row['step']}", ins.nan_free(row))  # NaN as null
+        bundle.journal.append("comparison", "row", f"{name}-s{row['step']}", ins.nan_free(row))  # NaN as null
         state.save(self.spath)
         done = arm.steps_done
         if all(str(done) in s.saves and s.steps_done == done for s in state.arms.values()):
             # Every arm saved this step: the resume point, journaled as it is saved, and a snapshot.
-            self.journal.append("comparison", "state", f"s{done}", state.to_json())
-            self.journal.snapshot("comparison", f"comparison step {done} saved")
+            bundle.journal.append("comparison", "state", f"s{done}", state.to_json())
+            bundle.journal.snapshot("comparison", f"comparison step {done} saved")
         arm_rows = [r for r in state.rows if r["arm"] == name]
         bundle.post_arm_metrics(name, arm_summary(arm_rows))
         if all(s.steps_done > row["step"] for s in state.arms.values()) and tracker() <= row["step"]:
@@ -552,7 +554,6 @@ def run_arm_step(
 def _run_state(
     plan: Plan,
     bundle: EvidenceBundle,
-    journal: Journal,
     evaluator_id: str,
     restoration: RestorationResult | None,
     state_root: Path,
@@ -586,7 +587,7 @@ def _run_state(
         initial_checkpoint=restoration.initial_checkpoint,
         arms={a.name: ArmState(a.name) for a in run.arms},
         sessions=[session],
-        setup_snapshot=snapshot_ref(bundle.run_id, journal.snapshot("comparison", "comparison setup")),
+        setup_snapshot=snapshot_ref(bundle.run_id, bundle.journal.snapshot("comparison", "comparison setup")),
         setup_provenance={
             a.name: {k: as_value(prov[a.name][k]) for k in ("restore_count", "optimizer_checks")} for a in run.arms
         },

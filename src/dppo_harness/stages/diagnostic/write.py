@@ -351,9 +351,9 @@ def write_evidence(
     spec: ExperimentSpec | None,
     prior_service_work: Mapping[str, Mapping[str, int]] | None,
 ) -> DiagnosticResult:
-    """The frozen batch and the update records' archives, then the fixed analysis of what the run measured (however early
-    it stopped), the sentinels, analysis, next action, the trained arm's provenance, the service-work
-    ledger, feasibility, the replay output, the report and the result fields."""
+    """The frozen batch and the update records' archives, then the fixed analysis of what the run
+    measured (however early it stopped), the sentinels, analysis, next action, the trained arm's
+    provenance, the service-work ledger, feasibility, the replay output, the report and the result fields."""
     d = plan.diagnostic
     per_file = budget.updates_per_archive(
         d.schedule.groups_per_minibatch * d.schedule.group_size, d.fixed_settings.sampling.max_tokens
